@@ -1,0 +1,50 @@
+"""Settings read from `VLMBATCH_*` environment variables (flags override them)."""
+
+from __future__ import annotations
+
+import os
+
+
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else default
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def env_str(name: str, default: str | None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def image_fetch_timeout() -> float:
+    """Seconds before an image download is abandoned (`VLMBATCH_IMAGE_FETCH_TIMEOUT`)."""
+    return env_float("VLMBATCH_IMAGE_FETCH_TIMEOUT", 10.0)
+
+
+def video_fetch_timeout() -> float:
+    """Seconds before a video download is abandoned (`VLMBATCH_VIDEO_FETCH_TIMEOUT`)."""
+    return env_float("VLMBATCH_VIDEO_FETCH_TIMEOUT", 30.0)
+
+
+def video_loader_backend() -> str:
+    """Default video decoder (`VLMBATCH_VIDEO_LOADER_BACKEND`)."""
+    return env_str("VLMBATCH_VIDEO_LOADER_BACKEND", "opencv") or "opencv"
+
+
+def media_loading_thread_count() -> int:
+    """Parallelism of media loading (`VLMBATCH_MEDIA_LOADING_THREAD_COUNT`)."""
+    return env_int("VLMBATCH_MEDIA_LOADING_THREAD_COUNT", 8)
+
+
+def broker_url() -> str | None:
+    """The Celery broker; None means run jobs in-process (`VLMBATCH_BROKER_URL`)."""
+    return env_str("VLMBATCH_BROKER_URL", None)
+
+
+def api_key() -> str | None:
+    """Bearer token the server requires on /v1 routes (`VLMBATCH_API_KEY`)."""
+    return env_str("VLMBATCH_API_KEY", None)

@@ -1,0 +1,37 @@
+"""The contract every generation engine implements (`hf` reference, `paged` fast engine).
+
+Engines are step-driven, like vLLM's `LLMEngine`: the batch runner, the Python API and
+the server add requests, call `step()` until nothing is unfinished, and read the
+outputs each step returns. A static-batch engine may return everything in one step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from vlmbatch.engine.outputs import RequestOutput
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+
+
+class Engine(ABC):
+    name: str
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+
+    @abstractmethod
+    def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        """Queue a request; generation starts on a later `step()`."""
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (a disconnected client, a cancelled job); no output is returned for it."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Advance generation; return the requests that made progress. Each output holds the
+        text and token ids so far; `finished` says whether the request is done."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...

@@ -1,0 +1,35 @@
+"""What generation returns, shaped like vLLM's `RequestOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated continuation. `finish_reason` is "stop" (EOS or a stop string) or "length"."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or EOS token id that ended it
+
+
+@dataclass
+class RequestOutput:
+    """All continuations of one request plus what the prompt cost."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+    @property
+    def num_input_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

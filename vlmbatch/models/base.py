@@ -1,0 +1,75 @@
+"""The contract between media, model families and engines.
+
+A `ModelAdapter` turns (prompt text or chat messages, decoded images, sampled video
+frames) into a `PreparedPrompt`: token ids plus the processor's tensors. Engines only
+ever see `PreparedPrompt`s, so they stay independent of how each family builds its
+prompts, and per-row problems surface here as `RowError`s before any GPU work.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmbatch.media.types import VideoFrames
+
+
+@dataclass
+class PreparedPrompt:
+    """One request, ready for an engine.
+
+    `mm_inputs` holds the processor outputs other than `input_ids`/`attention_mask`
+    for this request alone (e.g. `pixel_values`, `image_grid_thw`,
+    `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`), with the batch
+    dimension being images/patches so that collating requests is a concatenation
+    along dim 0. `mm_hashes` identify each image/video by content (prefix and
+    encoder caches key on them).
+    """
+
+    prompt_token_ids: list[int]
+    mm_inputs: dict[str, Any] = field(default_factory=dict)
+    prompt: str | None = None
+    mm_hashes: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class ModelAdapter(ABC):
+    """Family-specific prompt building and preprocessing around an HF processor."""
+
+    family: str  # "qwen2_5_vl", "qwen2_vl", "llava"
+    supports_video: bool = False
+
+    def __init__(self, model_path: str, processor: Any, config: Any):
+        self.model_path = model_path
+        self.processor = processor
+        self.config = config
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Context length: prompt tokens (media included) plus generated tokens."""
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Tokens that end generation (EOS and the chat turn terminator)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render OpenAI-style messages into the model's prompt text, with media placeholders."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        prompt: str,
+        images: list[Any] | None = None,
+        videos: list[VideoFrames] | None = None,
+        max_tokens: int = 0,
+    ) -> PreparedPrompt:
+        """Tokenise `prompt` with its media; raise `RowError` for an empty prompt,
+        placeholder/media count mismatch, unsupported media, or a prompt that leaves
+        fewer than `max_tokens` of context."""
