@@ -1,0 +1,114 @@
+"""Request and response bodies of the OpenAI-compatible API (the subset `vlmbatch serve` speaks).
+
+`messages` stays a list of plain dicts here on purpose: `vlmbatch.engine.chat.parse_chat_messages`
+validates message parts for batch jobs and the server alike, and names the faulty part in
+its error, so the two entry points cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions`. Unknown fields are ignored, as OpenAI clients send extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Per-request media loading options, e.g. {"video": {"num_frames": 4}}; they override
+    # the server's `--media-io-kwargs` for this request only.
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` is the newer name; it wins when both are sent."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vlmbatch"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
