@@ -1,0 +1,76 @@
+"""Scheduler: continuous batching, chunked prefill budget, preemption and resumption."""
+
+from vlmbatch.engine.block_manager import BlockManager
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.engine.scheduler import Scheduler
+from vlmbatch.engine.sequence import Sequence, SequenceStatus
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64):
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget)
+
+
+def run_step(scheduler, next_token=7):
+    """Schedule, pretend the model ran, append a token to sequences whose tokens are all computed."""
+    batch = scheduler.schedule()
+    scheduler.finish_step(batch)
+    for seq in batch.seqs:
+        if seq.num_uncomputed_tokens == 0:
+            seq.token_ids.append(next_token)
+    return batch
+
+
+def test_prefill_then_decode_and_new_requests_join_running_batch():
+    sched = make_scheduler()
+    a = Sequence("a", [1, 2, 3], SamplingParams())
+    sched.add(a)
+    first = run_step(sched)
+    assert first.is_prefill and first.num_new_tokens == [3]
+    assert not run_step(sched).is_prefill
+    b = Sequence("b", [4, 5], SamplingParams())
+    sched.add(b)
+    joined = run_step(sched)
+    assert joined.is_prefill and joined.seqs == [b]
+    decode = run_step(sched)
+    assert not decode.is_prefill and decode.seqs == [a, b] and decode.num_new_tokens == [1, 1]
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched = make_scheduler(budget=5)
+    long_seq = Sequence("long", list(range(12)), SamplingParams())
+    short = Sequence("short", [1, 2], SamplingParams())
+    sched.add(long_seq)
+    sched.add(short)
+    chunks = []
+    while long_seq.num_computed_tokens < 12:
+        batch = run_step(sched)
+        assert batch.is_prefill and batch.num_tokens <= 5
+        chunks.append(dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens)))
+    assert chunks[0] == {"long": 5} and chunks[1] == {"long": 5} and chunks[2] == {"long": 2, "short": 2}
+    assert sched.num_chunked_prefills == 2 and len(long_seq) == 13
+
+
+def test_max_num_seqs_limits_running_batch():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add(Sequence(str(i), [1, 2], SamplingParams()))
+    batch = run_step(sched)
+    assert [s.request_id for s in batch.seqs] == ["0", "1"] and len(sched.waiting) == 1
+
+
+def test_preempts_newest_when_blocks_run_out_and_resumes_it():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    old = Sequence("old", [1, 2, 3, 4, 5, 6, 7], SamplingParams())
+    new = Sequence("new", [9, 8, 7, 6, 5, 4, 3], SamplingParams())
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)  # both prefilled: 2 blocks each, cache full
+    batch = run_step(sched)  # both have 8 tokens, still fit
+    assert batch.seqs == [old, new]
+    batch = run_step(sched)  # 9 tokens need a third block: "new" is preempted
+    assert batch.seqs == [old] and sched.num_preemptions == 1
+    assert new.status is SequenceStatus.WAITING and new.block_table == [] and sched.waiting[0] is new
+    sched.remove(old)  # old finishes: its blocks come back
+    resumed = run_step(sched)
+    assert resumed.is_prefill and resumed.seqs == [new]
+    assert new.num_computed_tokens == 9 and len(new) == 10

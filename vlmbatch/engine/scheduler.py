@@ -1,0 +1,141 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Every step is either a prefill step or a decode step, so decode steps have fixed
+shapes that CUDA graphs can replay:
+
+* prefill: sequences with prompt tokens left (first those already running with a
+  partially computed prompt, then waiting ones, oldest first) each get a chunk, until
+  the step's token budget (`max_num_batched_tokens`) is spent: a long prompt is split
+  over several steps (chunked prefill) instead of stalling the batch.
+* decode: every running sequence gets one token.
+
+When the cache runs out of blocks, the newest running sequence is preempted: its
+blocks are released (they stay in the prefix cache until reused) and it goes back to
+the front of the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from vlmbatch.engine.block_manager import BlockManager
+from vlmbatch.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The sequences of one step and how many new tokens each computes."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # prefill chunks that stopped short of the sequence end
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    @staticmethod
+    def _is_decoding(seq: Sequence) -> bool:
+        # One token left to compute after its media were embedded in an earlier prefill.
+        return bool(seq.block_table) and seq.num_uncomputed_tokens == 1 and (
+            seq.mm is None or seq.num_computed_tokens >= seq.num_prompt_tokens
+        )
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch([], [], is_prefill=True)
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if self._is_decoding(seq) or seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + n, batch):
+                continue
+            self._add(batch, seq, n)
+            budget -= n
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = bm.match_prefix(seq)
+            computed = len(hits) * bm.block_size
+            n = min(len(seq) - computed, budget)
+            if not bm.can_allocate(seq, computed + n, hits):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, computed + n, hits)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add(batch, seq, n)
+            budget -= n
+        return batch if batch.seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch([], [], is_prefill=False)
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._make_room(seq, len(seq), batch):
+                self._add(batch, seq, 1)
+        return batch if batch.seqs else None
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        if seq.num_computed_tokens + n < len(seq):
+            self.num_chunked_prefills += 1
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Allocate blocks for `seq`, preempting the newest unscheduled running sequences
+        if needed; preempts `seq` itself (and returns False) when nothing else is left."""
+        bm = self.block_manager
+        while not bm.can_allocate(seq, num_tokens):
+            victim = next((s for s in reversed(self.running) if s is not seq and s not in batch.seqs), None)
+            if victim is None:
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        bm.allocate(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish_step(self, batch: ScheduledBatch) -> None:
+        """Account for the KV the step wrote (before new tokens are appended)."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)

@@ -1,0 +1,101 @@
+"""One request's state inside the paged engine.
+
+A `Sequence` holds everything the scheduler, block manager and runner need about a
+request: its tokens (prompt followed by generated ones), how many of them already have
+KV in the cache, which cache blocks it owns, and its multimodal extras. Preemption
+recomputes: the sequence goes back to WAITING with its block table dropped, and its
+prompt + generated tokens are prefilled again later (no KV swapping).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmbatch.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class MultimodalData:
+    """What a sequence's media contribute to the decoder.
+
+    `inputs` are the processor tensors (pixel_values, grid sizes...), `hashes` identify
+    each image/video by content, and `token_spans` are the (start, end) prompt positions
+    each item's placeholder tokens occupy, in the same order as `hashes`; the block
+    manager mixes the hashes of the items that overlap a block into its prefix-cache key.
+    `embeds` ([num_media_tokens, hidden], filled by the encoder on first schedule) and
+    `rope_delta` (M-RoPE: position of generated token i is i + rope_delta) live here
+    so that a preempted sequence can be recomputed without encoding again.
+    """
+
+    inputs: dict[str, Any]
+    hashes: list[str]
+    token_spans: list[tuple[int, int]]
+    embeds: Any = None
+    rope_positions: Any = None  # [3, num_prompt_tokens] for M-RoPE models
+    rope_delta: int = 0
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    mm: MultimodalData | None = None
+    arrival: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_prompt_tokens: int = field(init=False)
+    # Tokens whose KV is in the cache (prefix-cache hits included). The scheduler
+    # advances it after each step; tokens [num_computed_tokens:] still need a forward.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Prefix-cache keys of the sequence's full blocks, a hash chain (block i's key covers
+    # blocks 0..i); extended lazily by the block manager, valid as long as the tokens are.
+    block_hashes: list[bytes] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
+        """Blocks that hold the first `num_tokens` tokens (all of them by default)."""
+        n = len(self.token_ids) if num_tokens is None else num_tokens
+        return (n + block_size - 1) // block_size
+
+    def block_token_ids(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size : (index + 1) * block_size]
+
+    def media_hashes_in(self, start: int, end: int) -> list[str]:
+        """Hashes of the media whose placeholder tokens overlap positions [start, end)."""
+        if self.mm is None:
+            return []
+        return [h for h, (s, e) in zip(self.mm.hashes, self.mm.token_spans) if s < end and e > start]
