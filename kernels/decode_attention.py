@@ -1,0 +1,233 @@
+"""Paged decode attention: split-KV flash-decoding with the GQA group packed into the matmul.
+
+One program handles one (sequence, KV head, split): the query heads that share the KV
+head form the M dimension of `tl.dot` (padded to 16 rows, the minimum tile), so every
+key/value tile is read once per KV head and the tensor cores do the arithmetic. Decode is
+bound by reading the cache; when sequences x KV heads are too few to fill the GPU, each
+context is cut into `num_splits` ranges processed in parallel (stage 1) and their partial
+results merged by log-sum-exp weights (stage 2).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_tile import LOG2_E, attend_paged_tile, check_paged_inputs
+
+H200_SM_COUNT = 132
+MAX_SPLITS = 32
+MIN_TILES_PER_SPLIT = 2
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the stage-1 kernel (tuned by `vlmbatch bench kernels`)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; the H200's count off the GPU so splits behave alike."""
+    if device.type != "cuda":
+        return H200_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int) -> int:
+    """How many ranges to cut each context into so that enough programs fill the GPU.
+
+    No split once there are two programs per SM (splitting then only adds the merge);
+    otherwise aim at about four per SM, but keep at least MIN_TILES_PER_SPLIT tiles in a
+    split. Depends only on shapes, never on tensor values, so it is stable under CUDA graphs.
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= 2 * num_sms:
+        return 1
+    wanted = triton.cdiv(4 * num_sms, programs)
+    longest_useful = max(1, triton.cdiv(max_context_len, block_n * MIN_TILES_PER_SPLIT))
+    return max(1, min(wanted, longest_useful, MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    stride_q_seq,
+    stride_q_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_bt_seq,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_split,
+    stride_lse_seq,
+    stride_lse_head,
+    GROUP_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP_SIZE + offs_h
+    row_mask = (offs_h[:, None] < GROUP_SIZE) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :], mask=row_mask, other=0.0
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq * stride_bt_seq
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    for tile_start in range(start, end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = attend_paged_tile(
+            q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, end,
+            (offs_n < end)[None, :], scale_log2,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+            PAGE_SIZE, HEAD_DIM, True,
+        )  # fmt: skip
+
+    # An empty split (a context shorter than the others) contributes weight 0 in stage 2.
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split + offs_d[None, :]
+    tl.store(out_ptrs, out, mask=row_mask)
+    if STORE_LSE:
+        lse_ptrs = lse_ptr + seq * stride_lse_seq + heads * stride_lse_head + split
+        tl.store(lse_ptrs, tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf")), mask=offs_h < GROUP_SIZE)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_p_seq,
+    stride_p_head,
+    stride_p_split,
+    stride_lse_seq,
+    stride_lse_head,
+    stride_o_seq,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(
+        lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf")
+    )
+    lse_max = tl.max(lse, 0)
+    # All splits empty only for a zero-length context: its output is 0.
+    weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    partial = tl.load(
+        partial_ptr + seq * stride_p_seq + head * stride_p_head + offs_s[:, None] * stride_p_split + offs_d[None, :],
+        mask=(offs_s[:, None] < NUM_SPLITS) & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    total = tl.sum(weights, 0)
+    out = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, out, mask=offs_d < HEAD_DIM)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    q `[num_seqs, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`;
+    block_tables int32 `[num_seqs, max_blocks]`; context_lens int32 `[num_seqs]` (including
+    this token). num_splits None picks one from the shapes (`choose_num_splits`).
+    """
+    config = config or DecodeConfig()
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if num_splits is None:
+        max_context_len = block_tables.shape[1] * page_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, sm_count(q.device), config.block_n)
+
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    group_size = num_q_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits == 1:
+        stage1_out, lse = out.unsqueeze(2), out  # lse unused: the kernel normalises in place
+    else:
+        stage1_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, stage1_out, lse,
+        softmax_scale * LOG2_E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        stage1_out.stride(0), stage1_out.stride(1), stage1_out.stride(2),
+        lse.stride(0), lse.stride(1),
+        GROUP_SIZE=group_size, PAGE_SIZE=page_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n, BLOCK_D=block_d,
+        STORE_LSE=num_splits > 1,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_q_heads)](
+            stage1_out, lse, out,
+            stage1_out.stride(0), stage1_out.stride(1), stage1_out.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+

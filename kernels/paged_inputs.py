@@ -1,0 +1,58 @@
+"""Random paged-KV inputs laid out as the engine lays them out, for tests and benchmarks.
+
+Blocks are handed out in a shuffled order so that every sequence's pages are scattered
+through the cache (as after a long-running engine's frees), unused table entries are -1,
+and a few spare blocks hold garbage that a correct kernel never reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SPARE_BLOCKS = 3
+GARBAGE = 1.0e4
+
+
+@dataclass
+class PagedKV:
+    """A filled cache pair and the block tables that locate each sequence's tokens."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def make_paged_kv(
+    context_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator | None = None,
+) -> PagedKV:
+    """Caches `[num_blocks, block_size, kv_heads, head_dim]` with random keys/values for each sequence."""
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + SPARE_BLOCKS
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(blocks_per_seq, default=0) + 1  # one spare column that must stay unread
+    block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
+    taken = 0
+    for seq, count in enumerate(blocks_per_seq):
+        block_tables[seq, :count] = torch.tensor(order[taken : taken + count], dtype=torch.int32)
+        taken += count
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    for spare in order[taken:]:
+        k_cache[spare] = GARBAGE
+        v_cache[spare] = GARBAGE
+    return PagedKV(
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=block_tables.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+    )

@@ -1,0 +1,127 @@
+"""Pure-torch definitions of what every kernel in this package computes.
+
+These are the semantic contract (see docs/structures.md, "Paged-KV contract"): the
+Triton kernels are tested against them, and the engine can fall back on them where
+Triton cannot run. They favour clarity over speed: per-sequence Python loops,
+float32 arithmetic, one rounding to the output dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token i's k/v (`[num_tokens, kv_heads, head_dim]`) into flat slot `slot_mapping[i]`; -1 skips it."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_paged_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int
+) -> torch.Tensor:
+    """The first `context_len` tokens of one sequence, `[context_len, kv_heads, head_dim]`."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    blocks = block_table_row[:num_blocks].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:context_len]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query_pos: int, softmax_scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of queries at positions first_query_pos.. over keys 0..len(k)-1, in float32."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * softmax_scale
+    query_pos = first_query_pos + torch.arange(q.shape[0], device=q.device)
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """One query token per sequence (`q[num_seqs, q_heads, head_dim]`) over its whole cached context."""
+    out = torch.empty_like(q)
+    for seq, context_len in enumerate(context_lens.tolist()):
+        if context_len == 0:
+            out[seq] = 0
+            continue
+        k = gather_paged_kv(k_cache, block_tables[seq], context_len)
+        v = gather_paged_kv(v_cache, block_tables[seq], context_len)
+        out[seq] = _attend(q[seq : seq + 1], k, v, context_len - 1, softmax_scale)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Varlen causal attention: sequence b's q_len queries are its last q_len cached positions."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        start, end = bounds[seq], bounds[seq + 1]
+        if end == start:
+            continue
+        k = gather_paged_kv(k_cache, block_tables[seq], context_len)
+        v = gather_paged_kv(v_cache, block_tables[seq], context_len)
+        first_query_pos = context_len - (end - start)
+        out[start:end] = _attend(q[start:end], k, v, first_query_pos, softmax_scale).to(q.dtype)
+    return out
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2/Llama RMSNorm, rounding exactly where Hugging Face does.
+
+    With `residual`, first `x = x + residual` in the model dtype (the decoder layer's
+    residual add) and return `(norm(x), x)` so the add and the norm share one pass.
+    """
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    out = weight * normed
+    return (out, x) if residual is not None else out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over `[tokens, heads, head_dim]`, in float32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None, :].float() + rotated_half * sin[:, None, :].float()).to(x.dtype)
+
+
+def apply_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary on q `[tokens, q_heads, D]` and k `[tokens, kv_heads, D]`.
+
+    cos/sin are `[tokens, D]`, already gathered per token (for M-RoPE, already
+    interleaved by section), so one definition serves 1-D RoPE and M-RoPE.
+    """
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

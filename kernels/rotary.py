@@ -1,0 +1,87 @@
+"""Rotary position embedding (neox / rotate-half layout) on q and k in one launch.
+
+cos/sin arrive gathered per token (`[num_tokens, head_dim]`); for M-RoPE the caller has
+already interleaved the temporal/height/width sections into them, so the same kernel
+serves Qwen2-VL's 3-D positions and plain 1-D RoPE. Computed in float32, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, stride_x_tok, stride_x_head, stride_o_tok, stride_o_head, token,
+    cos1, cos2, sin1, sin2, offs_half,
+    NUM_HEADS: tl.constexpr, HALF_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out = x * cos + rotate_half(x) * sin for all heads of one token."""
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    mask = (offs_h < NUM_HEADS) & (offs_half < HALF_DIM)
+    first_ptrs = x_ptr + token * stride_x_tok + offs_h * stride_x_head + offs_half
+    x1 = tl.load(first_ptrs, mask=mask, other=0.0)
+    x2 = tl.load(first_ptrs + HALF_DIM, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    out_ptrs = out_ptr + token * stride_o_tok + offs_h * stride_o_head + offs_half
+    tl.store(out_ptrs, x1f * cos1 - x2f * sin1, mask=mask)
+    tl.store(out_ptrs + HALF_DIM, x2f * cos2 + x1f * sin2, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+    stride_qo_tok, stride_qo_head, stride_ko_tok, stride_ko_head,
+    stride_cos_tok, stride_sin_tok,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    offs_half = tl.arange(0, BLOCK_HALF)[None, :]
+    half_mask = offs_half < HALF_DIM
+    cos_row = cos_ptr + token * stride_cos_tok + offs_half
+    sin_row = sin_ptr + token * stride_sin_tok + offs_half
+    cos1 = tl.load(cos_row, mask=half_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + HALF_DIM, mask=half_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row, mask=half_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + HALF_DIM, mask=half_mask, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr, q_out_ptr, stride_q_tok, stride_q_head, stride_qo_tok, stride_qo_head, token,
+        cos1, cos2, sin1, sin2, offs_half, NUM_Q_HEADS, HALF_DIM, BLOCK_QH,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, stride_k_tok, stride_k_head, stride_ko_tok, stride_ko_head, token,
+        cos1, cos2, sin1, sin2, offs_half, NUM_K_HEADS, HALF_DIM, BLOCK_KH,
+    )  # fmt: skip
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[tokens, q_heads, D]` and k `[tokens, kv_heads, D]` by per-token cos/sin `[tokens, D]`."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if head_dim % 2 or k.shape[::2] != q.shape[::2] or cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"rotary shapes do not fit: q {tuple(q.shape)} k {tuple(k.shape)} cos {tuple(cos.shape)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_kernel[(num_tokens,)](
+            q, k, cos, sin, q_out, k_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            cos.stride(0), sin.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF_DIM=half,
+            BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
+            BLOCK_HALF=triton.next_power_of_2(half),
+        )  # fmt: skip
+    return q_out, k_out
