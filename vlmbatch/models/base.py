@@ -73,3 +73,14 @@ class ModelAdapter(ABC):
         """Tokenise `prompt` with its media; raise `RowError` for an empty prompt,
         placeholder/media count mismatch, unsupported media, or a prompt that leaves
         fewer than `max_tokens` of context."""
+
+    def check(
+        self,
+        prompt: str,
+        images: list[Any] | None = None,
+        videos: list[VideoFrames] | None = None,
+        max_tokens: int = 0,
+    ) -> int:
+        """Validate like `prepare` and return the prompt's token count; families override it
+        with a path that skips pixel preprocessing (the dry-run checks 5,000+ rows/s)."""
+        return self.prepare(prompt, images, videos, max_tokens).num_tokens

@@ -1,0 +1,27 @@
+"""Imports every command module so each registers its commands on the shared app."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from vlmbatch.cli.main import app
+
+bench_app = typer.Typer(help="Benchmarks: print a table and write JSON (see BENCHMARKS.md).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+# Top-level command groups, then the benchmark groups; each module has `register(...)`.
+COMMAND_MODULES = ["submit_cmd", "results_cmd", "tiny_cmd", "queue_cmds", "serve_cmd"]
+BENCH_MODULES = ["bench_engine", "bench_kernels", "bench_video", "bench_media", "bench_queue", "bench_serve", "bench_dryrun"]
+
+for name in COMMAND_MODULES:
+    importlib.import_module(f"vlmbatch.cli.{name}").register(app)
+for name in BENCH_MODULES:
+    try:
+        module = importlib.import_module(f"vlmbatch.cli.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"vlmbatch.cli.{name}":
+            raise
+        continue  # that benchmark is not part of this build
+    module.register(bench_app)

@@ -1,0 +1,98 @@
+"""`vlmbatch submit`: validate a dataset, plan its shards, then run or queue them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from vlmbatch.cli.options import (
+    BrokerOption,
+    DeviceOption,
+    DtypeOption,
+    EngineOption,
+    MediaIoKwargsOption,
+    ModelOption,
+    OutputOption,
+    parse_json_option,
+)
+
+
+def submit(
+    dataset: Path = typer.Argument(..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media."),
+    model: str = ModelOption,
+    output: Path = OutputOption,
+    broker: Optional[str] = BrokerOption,
+    engine: str = EngineOption,
+    shard_size: int = typer.Option(1000, "--shard-size", envvar="VLMBATCH_SHARD_SIZE", help="Rows per shard (the unit of work and of retry)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Default maximum generated tokens per row (a row's max_tokens column wins)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Default sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Default nucleus-sampling probability mass."),
+    top_k: int = typer.Option(0, "--top-k", help="Default top-k; 0 disables it."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Default sampling seed (rows may set their own)."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    id_column: str = typer.Option("id", "--id-column", help="Column that identifies a row (row number when absent)."),
+    prompt_column: str = typer.Option("prompt", "--prompt-column", help="Column with the raw prompt text."),
+    messages_column: str = typer.Option("messages", "--messages-column", help="Column with OpenAI chat messages."),
+    image_column: str = typer.Option("image", "--image-column", help="Column with one image (path, URL, data: URL, bytes or {bytes, path})."),
+    images_column: str = typer.Option("images", "--images-column", help="Column with a list of images."),
+    video_column: str = typer.Option("video", "--video-column", help="Column with one video."),
+    media_io_kwargs: Optional[str] = MediaIoKwargsOption,
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template file for models without one."),
+    dtype: str = DtypeOption,
+    device: str = DeviceOption,
+    wait: bool = typer.Option(False, "--wait", help="With --broker: follow the job with a progress bar until it ends."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
+) -> None:
+    """Run DATASET through MODEL; results land in OUTPUT/JOB/results/*.parquet.
+
+    Without a broker the job runs here, in-process, with a progress bar. With --broker
+    (or VLMBATCH_BROKER_URL) its shards are queued for `vlmbatch worker` processes.
+    """
+    from vlmbatch.engine.sampling_params import SamplingParams
+    from vlmbatch.errors import JobError
+    from vlmbatch.io.readers import ColumnMap
+    from vlmbatch import job as jobs
+
+    console = Console(stderr=True)
+    columns = ColumnMap(
+        id=id_column, prompt=prompt_column, messages=messages_column, image=image_column, images=images_column, video=video_column
+    )
+    try:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
+    except Exception as exc:  # RowError from validation: a flag is out of range
+        raise typer.BadParameter(str(exc))
+    media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
+    template = chat_template.read_text() if chat_template else None
+    try:
+        if dry_run:
+            report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media, chat_template=template)
+            jobs.print_dry_run(report, console)
+            raise typer.Exit(0 if report.rows_failed == 0 else 1)
+        manifest, job_dir = jobs.plan_job(
+            dataset, model, output, engine=engine, columns=columns, sampling=sampling,
+            media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
+        )
+    except JobError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    print(manifest.job_id, flush=True)
+    if manifest.num_rows == 0:
+        console.print(f"dataset is empty: wrote an empty typed result to {job_dir}")
+    if broker:
+        from vlmbatch.job.queue import enqueue_job, follow_job
+
+        enqueue_job(manifest, job_dir, broker)
+        console.print(f"queued {manifest.num_shards} shards of {manifest.num_rows} rows on {broker}; results: {job_dir / 'results'}")
+        if wait:
+            raise typer.Exit(follow_job(job_dir, broker, console=console))
+        return
+    llm = jobs.load_llm(model, engine=engine, dtype=dtype, device=device, chat_template=template)
+    elapsed = jobs.run_job_locally(manifest, job_dir, llm, console=console)
+    jobs.print_summary(job_dir, console, elapsed_s=elapsed)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(submit)

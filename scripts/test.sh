@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: set-up, then pytest (GPU tests skip without a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# Redis on 127.0.0.1:6379 backs the default-broker tests; start it if this machine has none.
+if ! redis-cli -p 6379 ping >/dev/null 2>&1; then
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
+fi
+python3 -m pytest tests -q -ra "$@"

@@ -1,0 +1,58 @@
+"""`submit --dry-run`: every row's media opens and every prompt fits, nothing generated."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.job.prepare import media_loader_for, prepare_row
+
+MAX_EXAMPLES = 100
+
+
+@dataclass
+class DryRunReport:
+    dataset: str
+    rows: int = 0
+    rows_failed: int = 0
+    errors_by_type: Counter = field(default_factory=Counter)
+    examples: list[tuple[int, str, str]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+def dry_run(
+    dataset: str | Path,
+    model: str,
+    *,
+    columns: Any = None,
+    sampling: SamplingParams | None = None,
+    media_io_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> DryRunReport:
+    """Validate every row with the model's processor (no weights are loaded)."""
+    from vlmbatch.io.readers import open_dataset
+    from vlmbatch.job.plan import check_media_io_kwargs
+    from vlmbatch.models.registry import load_adapter
+
+    started = time.perf_counter()
+    reader = open_dataset(dataset, columns)
+    check_media_io_kwargs(media_io_kwargs or {})
+    adapter = load_adapter(model, chat_template=chat_template)
+    defaults = sampling or SamplingParams()
+    media = media_loader_for(dataset, media_io_kwargs)
+    report = DryRunReport(dataset=str(dataset))
+    for batch in reader.iter_rows():
+        for row_id, raw in batch:
+            item = prepare_row(row_id, raw, reader.columns, defaults, adapter, media, check_only=True)
+            report.rows += 1
+            if item.error is not None:
+                report.rows_failed += 1
+                report.errors_by_type[item.error.error_type] += 1
+                if len(report.examples) < MAX_EXAMPLES:
+                    report.examples.append((row_id, item.error.error_type, item.error.message))
+    report.elapsed_s = time.perf_counter() - started
+    return report

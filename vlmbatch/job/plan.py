@@ -1,0 +1,77 @@
+"""Submit-time work: refuse bad jobs early, plan shards, write the manifest.
+
+Everything that can make a whole job fail (missing file, unknown format, missing
+columns, unknown model, bad media options) is checked here, before anything is
+queued or written, and reported as a one-line `JobError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.errors import JobError
+
+
+def check_model(model: str) -> str:
+    """Fail fast on a model that cannot be resolved; return its family (`model_type`)."""
+    from vlmbatch.models.registry import model_family
+
+    return model_family(model)
+
+
+def check_media_io_kwargs(media_io_kwargs: dict[str, Any]) -> None:
+    """Job-level media options are validated once, at submit (a typo must not fail every row)."""
+    unknown = set(media_io_kwargs) - {"image", "video"}
+    if unknown:
+        raise JobError(f"--media-io-kwargs: unknown media kind(s) {sorted(unknown)}; expected 'image' and/or 'video'")
+    if "video" in media_io_kwargs:
+        from vlmbatch.media.video.options import parse_video_options
+
+        try:
+            parse_video_options(media_io_kwargs["video"])
+        except ValueError as exc:
+            raise JobError(f"--media-io-kwargs: {exc}") from exc
+
+
+def plan_job(
+    dataset: str | Path,
+    model: str,
+    output: str | Path,
+    *,
+    engine: str = "auto",
+    columns: Any = None,
+    sampling: SamplingParams | None = None,
+    media_io_kwargs: dict[str, Any] | None = None,
+    shard_size: int = 1000,
+    broker: str | None = None,
+    chat_template: str | None = None,
+) -> tuple[Any, Path]:
+    """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet."""
+    from vlmbatch.io.manifest import Manifest
+    from vlmbatch.io.readers import open_dataset
+
+    reader = open_dataset(dataset, columns)
+    check_model(model)
+    check_media_io_kwargs(media_io_kwargs or {})
+    manifest = Manifest.create(
+        reader=reader,
+        model=model,
+        engine=engine,
+        sampling=(sampling or SamplingParams()).to_dict(),
+        media_io_kwargs=media_io_kwargs or {},
+        shard_size=shard_size,
+        broker=broker,
+        chat_template=chat_template,
+    )
+    job_dir = Path(output) / manifest.job_id
+    manifest.save(job_dir)
+    return manifest, job_dir
+
+
+def load_llm(model: str, *, engine: str = "auto", dtype: str = "auto", device: str = "auto", chat_template: str | None = None, **kwargs: Any) -> Any:
+    """Load the model once (the expensive part of a worker's start-up)."""
+    from vlmbatch.engine.llm import LLM
+
+    return LLM(model=model, engine=engine, dtype=dtype, device=device, chat_template=chat_template, **kwargs)

@@ -1,0 +1,118 @@
+"""Rows → engine-ready prompts: parse, load media, build the prompt, tokenise.
+
+Each row either becomes a `PreparedPrompt` or carries the `RowError` that explains why
+not; nothing here raises for a bad row. The media loading and model preprocessing is
+the CPU-heavy part of a job, so it sits behind one iterator that a parallel pool can
+replace without the shard runner noticing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.errors import RowError
+from vlmbatch.job.rows import RowRequest, parse_row
+from vlmbatch.media.loader import MediaLoader
+from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+
+
+@dataclass
+class PreparedRow:
+    row_id: int
+    raw: Any
+    request: RowRequest | None = None
+    prepared: PreparedPrompt | None = None
+    error: RowError | None = None
+
+    @property
+    def sampling(self) -> SamplingParams:
+        assert self.request is not None
+        return self.request.sampling
+
+
+def media_loader_for(dataset: str | Path, media_io_kwargs: dict[str, Any] | None) -> MediaLoader:
+    """Media options of a job: relative paths resolve next to the dataset file."""
+    return MediaLoader(base_dir=Path(dataset).resolve().parent, media_io_kwargs=media_io_kwargs or {})
+
+
+def prepare_row(
+    row_id: int,
+    raw: Any,
+    columns: Any,
+    defaults: SamplingParams,
+    adapter: ModelAdapter | None,
+    media: MediaLoader,
+    check_only: bool = False,
+) -> PreparedRow:
+    """Everything one row needs before the engine; errors are captured, not raised.
+
+    `check_only` (dry-run) validates without building pixel tensors.
+    """
+    item = PreparedRow(row_id=row_id, raw=raw)
+    try:
+        if isinstance(raw, RowError):
+            raise raw
+        item.request = parse_row(row_id, raw, columns, defaults)
+        item.prepared = build_prompt(item.request, adapter, media, check_only)
+    except RowError as error:
+        item.error = error
+    return item
+
+
+def build_prompt(
+    request: RowRequest, adapter: ModelAdapter | None, media: MediaLoader, check_only: bool = False
+) -> PreparedPrompt | None:
+    """Load the row's media and let the model's adapter build and tokenise the prompt.
+
+    Without an adapter (queue benchmark) only the media are checked.
+    """
+    prompt = request.prompt
+    image_refs, video_refs = list(request.image_refs), list(request.video_refs)
+    if request.messages is not None:
+        from vlmbatch.engine.chat import parse_chat_messages
+
+        messages, message_images, message_videos = parse_chat_messages(request.messages)
+        if adapter is not None:
+            messages = _with_column_media(messages, len(image_refs), len(video_refs))
+            prompt = adapter.apply_chat_template(messages)
+        image_refs = image_refs + message_images
+        video_refs = video_refs + message_videos
+    images = [media.image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
+    videos = [media.video(ref, f"video[{i}]", request.media_io_kwargs) for i, ref in enumerate(video_refs)]
+    if adapter is None:
+        return None
+    if check_only:
+        adapter.check(prompt or "", images, videos, max_tokens=request.sampling.max_tokens)
+        return None
+    return adapter.prepare(prompt or "", images, videos, max_tokens=request.sampling.max_tokens)
+
+
+def _with_column_media(messages: list[dict[str, Any]], num_images: int, num_videos: int) -> list[dict[str, Any]]:
+    """Media given in columns next to `messages` go first in the first user turn."""
+    if not num_images and not num_videos:
+        return messages
+    parts = [{"type": "image"}] * num_images + [{"type": "video"}] * num_videos
+    out = [dict(m) for m in messages]
+    for message in out:
+        if message.get("role") == "user":
+            content = message.get("content")
+            text_parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+            message["content"] = parts + text_parts
+            break
+    return out
+
+
+def prepare_rows(
+    source: Iterable[tuple[int, Any]],
+    manifest: Any,
+    adapter: ModelAdapter | None,
+    defaults: SamplingParams,
+) -> Iterator[PreparedRow]:
+    """Prepare rows in order, in this thread."""
+    media = media_loader_for(manifest.dataset, manifest.media_io_kwargs)
+    for row_id, raw in source:
+        yield prepare_row(row_id, raw, manifest.columns, defaults, adapter, media)

@@ -1,0 +1,128 @@
+"""Turn one raw dataset row into a validated request description.
+
+This is the single place that knows the input-row contract (ARCHITECTURE.md): `id`,
+`prompt` or `messages`, media in `image` / `images` / `video`, per-row sampling
+overrides and `media_io_kwargs`. Everything here is cheap and pure (no media I/O),
+so the dry-run, the shard runner and the preprocessing pool all share it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.errors import ErrorType, RowError
+
+SAMPLING_OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+@dataclass
+class RowRequest:
+    """A row after validation: text or chat messages, media references, sampling."""
+
+    row_id: int
+    id: str | None
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    image_refs: list[Any] = field(default_factory=list)
+    video_refs: list[Any] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    media_io_kwargs: dict[str, Any] | None = None
+
+
+def _text(value: Any, column: str) -> str:
+    """Accept str, or bytes that are valid UTF-8; anything else is a row error."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RowError(ErrorType.INVALID_ROW, f"column {column!r} is not valid UTF-8: {exc}", column)
+    raise RowError(ErrorType.INVALID_ROW, f"column {column!r} must be text, got {type(value).__name__}", column)
+
+
+def _json_value(value: Any, column: str) -> Any:
+    """Columns holding lists/dicts may arrive as JSON strings (CSV-minded exports)."""
+    if isinstance(value, (str, bytes)):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise RowError(ErrorType.INVALID_ROW, f"column {column!r} is not valid JSON: {exc}", column)
+    return value
+
+
+def _media_list(value: Any, column: str, many: bool) -> list[Any]:
+    if value is None:
+        return []
+    if many:
+        if isinstance(value, (list, tuple)):
+            return [v for v in value if v is not None]
+        raise RowError(ErrorType.INVALID_ROW, f"column {column!r} must be a list of media", column)
+    return [value]
+
+
+def sampling_for_row(raw: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
+    """Apply the row's own sampling columns on top of the job defaults."""
+    overrides = {k: raw.get(k) for k in SAMPLING_OVERRIDE_KEYS if raw.get(k) is not None}
+    if not overrides:
+        return defaults
+    if "stop" in overrides and isinstance(overrides["stop"], str):
+        overrides["stop"] = (overrides["stop"],)
+    try:
+        return defaults.updated(**overrides)
+    except TypeError as exc:
+        raise RowError(ErrorType.INVALID_ROW, f"bad sampling override: {exc}")
+
+
+def parse_row(row_id: int, raw: dict[str, Any], columns: Any, defaults: SamplingParams) -> RowRequest:
+    """Validate `raw` against the column mapping `columns` (an `io.readers.ColumnMap`)."""
+    if not isinstance(raw, dict):
+        raise RowError(ErrorType.INVALID_ROW, f"row must be an object, got {type(raw).__name__}")
+    row_key = raw.get(columns.id)
+    prompt_value = raw.get(columns.prompt)
+    messages_value = raw.get(columns.messages)
+    prompt = messages = None
+    if messages_value is not None:
+        messages = _json_value(messages_value, columns.messages)
+        if not isinstance(messages, list) or not messages:
+            raise RowError(ErrorType.INVALID_ROW, "messages must be a non-empty list", columns.messages)
+    elif prompt_value is not None:
+        prompt = _text(prompt_value, columns.prompt)
+        if not prompt.strip():
+            raise RowError(ErrorType.PROMPT_EMPTY, "prompt is empty", columns.prompt)
+    else:
+        raise RowError(ErrorType.PROMPT_EMPTY, f"row has neither {columns.prompt!r} nor {columns.messages!r}")
+
+    images = _media_list(raw.get(columns.image), columns.image, many=False)
+    images += _media_list(_json_value_if_text_list(raw.get(columns.images)), columns.images, many=True)
+    videos = _media_list(raw.get(columns.video), columns.video, many=False)
+
+    media_io_kwargs = raw.get("media_io_kwargs")
+    if media_io_kwargs is not None:
+        media_io_kwargs = _json_value(media_io_kwargs, "media_io_kwargs")
+        if not isinstance(media_io_kwargs, dict):
+            raise RowError(ErrorType.INVALID_ROW, "media_io_kwargs must be an object", "media_io_kwargs")
+
+    return RowRequest(
+        row_id=row_id,
+        id=None if row_key is None else str(row_key),
+        prompt=prompt,
+        messages=messages,
+        image_refs=images,
+        video_refs=videos,
+        sampling=sampling_for_row(raw, defaults),
+        media_io_kwargs=media_io_kwargs,
+    )
+
+
+def _json_value_if_text_list(value: Any) -> Any:
+    """`images` may be a JSON array in a string column; a plain path string is one image."""
+    if isinstance(value, str):
+        stripped = value.lstrip()
+        if stripped.startswith("["):
+            return _json_value(value, "images")
+        return [value]
+    return value
