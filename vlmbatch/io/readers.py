@@ -1,0 +1,410 @@
+"""Dataset readers: JSONL, OpenAI Batch JSONL and Parquet.
+
+Planning never loads the data: Parquet shards come from the footer's row groups and
+JSONL shards from one streaming scan that records the byte offset where each shard's
+first row starts. Rows are then streamed one shard at a time in bounded batches, so a
+worker's memory does not grow with the file.
+
+JSONL lines are parsed one by one with `json` rather than `pyarrow.json`: a bad line
+must become a `RowError` for that row alone, and rows legitimately differ in shape
+(chat messages, optional media), which Arrow's block-wide type inference rejects.
+
+A JSONL line counts as a row unless it is blank (only ASCII whitespace); the same rule
+is used when counting, planning and reading, so row ids agree everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vlmbatch.errors import ErrorType, JobError, RowError
+from vlmbatch.io.schema import RESERVED_NAMES, infer_scalar_type, is_passthrough_type
+
+FORMAT_JSONL = "jsonl"
+FORMAT_OPENAI_BATCH = "openai_batch"
+FORMAT_PARQUET = "parquet"
+
+JSONL_EXTENSIONS = frozenset({".jsonl", ".json", ".ndjson"})
+PARQUET_EXTENSIONS = frozenset({".parquet", ".pq"})
+PARQUET_MAGIC = b"PAR1"
+
+# JSONL column names and passthrough types are inferred from this many leading rows.
+SAMPLE_ROWS = 1000
+DEFAULT_BATCH_SIZE = 256
+
+RowBatch = list[tuple[int, "dict[str, Any] | RowError"]]
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Which input columns hold the id, the prompt or messages, and the media.
+
+    A name that differs from its default was chosen by the user (`--image-column ...`),
+    so it must exist in the input; default names are optional.
+    """
+
+    id: str = "id"
+    prompt: str = "prompt"
+    messages: str = "messages"
+    image: str = "image"
+    images: str = "images"
+    video: str = "video"
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, str]) -> "ColumnMap":
+        return cls(**data)
+
+    def explicit(self) -> dict[str, str]:
+        """The mappings the user changed from their defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def content_columns(self) -> frozenset[str]:
+        """Columns consumed by the model (never passed through to results)."""
+        return frozenset({self.prompt, self.messages, self.image, self.images, self.video})
+
+
+@dataclass
+class ShardPlan:
+    """One shard: the rows [row_start, row_end) and where to find them in the file.
+
+    JSONL shards carry the byte range [byte_start, byte_end) holding their lines;
+    Parquet shards carry the indices of the row groups their rows fall in.
+    """
+
+    shard_id: int
+    row_start: int
+    row_end: int
+    byte_start: int | None = None
+    byte_end: int | None = None
+    row_groups: list[int] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ShardPlan":
+        return cls(**data)
+
+
+class DatasetReader(ABC):
+    """One input file. Construction validates the job-level contract (raises `JobError`)."""
+
+    format: str
+
+    def __init__(self, path: Path, columns: ColumnMap):
+        self.path = path
+        self.columns = columns
+
+    @property
+    @abstractmethod
+    def column_names(self) -> list[str]:
+        """The input's top-level columns (for JSONL: those seen in the leading sample)."""
+
+    @abstractmethod
+    def num_rows(self) -> int: ...
+
+    @abstractmethod
+    def plan_shards(self, shard_size: int) -> list[ShardPlan]: ...
+
+    @abstractmethod
+    def iter_shard(self, plan: ShardPlan, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
+        """Yield (row_id, raw row or RowError) for the shard's rows, at most batch_size at a time."""
+
+    @abstractmethod
+    def iter_rows(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
+        """Like `iter_shard` over the whole file (dry runs, validation)."""
+
+    @abstractmethod
+    def passthrough_schema(self) -> pa.Schema:
+        """The flat scalar input columns copied into every result part."""
+
+    def _is_passthrough_candidate(self, name: str) -> bool:
+        return name not in self.columns.content_columns() and name != self.columns.id and name not in RESERVED_NAMES
+
+    def _validate_columns(self) -> None:
+        found = self.column_names
+        shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "") if found else "(none)"
+        missing = [f"{key}={name!r}" for key, name in self.columns.explicit().items() if name not in found]
+        if missing:
+            raise JobError(f"{self.path}: mapped column(s) {', '.join(missing)} not found; found: {shown}")
+        if self.columns.prompt not in found and self.columns.messages not in found:
+            raise JobError(
+                f"{self.path}: needs a {self.columns.prompt!r} or a {self.columns.messages!r} column; found: {shown}"
+            )
+
+
+def _check_shard_size(shard_size: int) -> None:
+    if not isinstance(shard_size, int) or shard_size < 1:
+        raise JobError(f"shard size must be a positive integer, got {shard_size!r}")
+
+
+def _parse_json_object(line: bytes) -> dict[str, Any] | RowError:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RowError(ErrorType.INVALID_ROW, f"line is not valid UTF-8 (byte {exc.start}: {exc.reason})")
+    try:
+        value = json.loads(text.lstrip("\ufeff"))
+    except json.JSONDecodeError as exc:
+        return RowError(ErrorType.INVALID_ROW, f"line is not valid JSON: {exc.msg} at column {exc.colno}")
+    if not isinstance(value, dict):
+        return RowError(ErrorType.INVALID_ROW, f"line is a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+_BATCH_KEYS = ("custom_id", "method", "url", "body")
+_BATCH_URL = "/v1/chat/completions"
+_BATCH_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")
+
+
+def _is_openai_batch_line(obj: dict[str, Any]) -> bool:
+    return all(key in obj for key in _BATCH_KEYS)
+
+
+def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any] | RowError:
+    """Map one OpenAI Batch request line to the row contract (custom_id, messages, overrides)."""
+    missing = [key for key in _BATCH_KEYS if key not in obj]
+    if missing:
+        return RowError(ErrorType.INVALID_ROW, f"OpenAI Batch line lacks {', '.join(missing)}")
+    if obj["url"] != _BATCH_URL or str(obj["method"]).upper() != "POST":
+        return RowError(ErrorType.INVALID_ROW, f"only POST {_BATCH_URL} is supported, got {obj['method']} {obj['url']}")
+    body = obj["body"]
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return RowError(ErrorType.INVALID_ROW, "body.messages must be a list of chat messages", "body.messages")
+    row: dict[str, Any] = {"custom_id": obj["custom_id"], "messages": body["messages"]}
+    if "max_completion_tokens" in body:
+        row["max_tokens"] = body["max_completion_tokens"]
+    row.update({key: body[key] for key in _BATCH_SAMPLING_KEYS if key in body})
+    return row
+
+
+class JsonlReader(DatasetReader):
+    """JSON Lines, including OpenAI Batch request files (rows mapped to the contract)."""
+
+    def __init__(self, path: Path, columns: ColumnMap):
+        super().__init__(path, columns)
+        self._num_rows: int | None = None
+        sample, seen_lines = self._read_sample()
+        self.format = FORMAT_OPENAI_BATCH if sample and _is_openai_batch_line(sample[0]) else FORMAT_JSONL
+        if self.format == FORMAT_OPENAI_BATCH:
+            self.columns = ColumnMap(id="custom_id")
+            sample = [row for row in map(_openai_batch_row, sample) if not isinstance(row, RowError)]
+        if seen_lines and not sample:
+            raise JobError(f"{path}: none of the first {seen_lines} lines is a usable JSON object; is it JSON Lines?")
+        self._sample = sample
+        self._column_names = list(dict.fromkeys(key for row in sample for key in row))
+        if seen_lines:
+            self._validate_columns()
+
+    def _read_sample(self) -> tuple[list[dict[str, Any]], int]:
+        rows: list[dict[str, Any]] = []
+        seen = 0
+        for batch in self._iter_bytes(0, None, 0, SAMPLE_ROWS, _parse_json_object):
+            seen = len(batch)
+            rows = [row for _, row in batch if not isinstance(row, RowError)]
+            break
+        return rows, seen
+
+    @property
+    def column_names(self) -> list[str]:
+        return self._column_names
+
+    def _scan(self, shard_size: int | None) -> tuple[int, list[int], int]:
+        """Count rows and record the byte offset of every shard_size-th row; returns (rows, offsets, end)."""
+        starts: list[int] = []
+        rows = 0
+        position = 0
+        with open(self.path, "rb") as handle:
+            for line in handle:
+                if line.strip():
+                    if shard_size and rows % shard_size == 0:
+                        starts.append(position)
+                    rows += 1
+                position += len(line)
+        self._num_rows = rows
+        return rows, starts, position
+
+    def num_rows(self) -> int:
+        if self._num_rows is None:
+            self._scan(None)
+        assert self._num_rows is not None
+        return self._num_rows
+
+    def plan_shards(self, shard_size: int) -> list[ShardPlan]:
+        _check_shard_size(shard_size)
+        rows, starts, end = self._scan(shard_size)
+        bounds = starts + [end]
+        return [
+            ShardPlan(
+                shard_id=index,
+                row_start=index * shard_size,
+                row_end=min(rows, (index + 1) * shard_size),
+                byte_start=bounds[index],
+                byte_end=bounds[index + 1],
+            )
+            for index in range(len(starts))
+        ]
+
+    def iter_shard(self, plan: ShardPlan, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
+        if plan.byte_start is None or plan.byte_end is None:
+            raise ValueError(f"shard {plan.shard_id} has no byte range: not a JSONL plan")
+        return self._iter_bytes(plan.byte_start, plan.byte_end, plan.row_start, batch_size, self._parse_line)
+
+    def iter_rows(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
+        return self._iter_bytes(0, None, 0, batch_size, self._parse_line)
+
+    def _iter_bytes(
+        self,
+        byte_start: int,
+        byte_end: int | None,
+        first_row_id: int,
+        batch_size: int,
+        parse: Callable[[bytes], dict[str, Any] | RowError],
+    ) -> Iterator[RowBatch]:
+        batch: RowBatch = []
+        row_id = first_row_id
+        position = byte_start
+        with open(self.path, "rb") as handle:
+            handle.seek(byte_start)
+            while byte_end is None or position < byte_end:
+                line = handle.readline()
+                if not line:
+                    break
+                position += len(line)
+                if not line.strip():
+                    continue
+                batch.append((row_id, parse(line)))
+                row_id += 1
+                if len(batch) >= batch_size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+    def _parse_line(self, line: bytes) -> dict[str, Any] | RowError:
+        row = _parse_json_object(line)
+        if isinstance(row, RowError) or self.format != FORMAT_OPENAI_BATCH:
+            return row
+        return _openai_batch_row(row)
+
+    def passthrough_schema(self) -> pa.Schema:
+        candidates = [name for name in self._column_names if self._is_passthrough_candidate(name)]
+        result = []
+        for name in candidates:
+            arrow_type = infer_scalar_type([row.get(name) for row in self._sample])
+            if arrow_type is not None:
+                result.append(pa.field(name, arrow_type))
+        return pa.schema(result)
+
+
+class ParquetReader(DatasetReader):
+    """Parquet (HF `Image` columns arrive as {"bytes", "path"} dicts)."""
+
+    format = FORMAT_PARQUET
+
+    def __init__(self, path: Path, columns: ColumnMap):
+        super().__init__(path, columns)
+        try:
+            self._file = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise JobError(f"{path}: not a readable Parquet file ({exc})") from exc
+        metadata = self._file.metadata
+        self._group_starts = [0]
+        for index in range(metadata.num_row_groups):
+            self._group_starts.append(self._group_starts[-1] + metadata.row_group(index).num_rows)
+        self._validate_columns()
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self._file.schema_arrow.names)
+
+    def num_rows(self) -> int:
+        return self._file.metadata.num_rows
+
+    def plan_shards(self, shard_size: int) -> list[ShardPlan]:
+        _check_shard_size(shard_size)
+        total = self.num_rows()
+        plans = []
+        for index, row_start in enumerate(range(0, total, shard_size)):
+            row_end = min(total, row_start + shard_size)
+            groups = [
+                group
+                for group in range(len(self._group_starts) - 1)
+                if self._group_starts[group] < row_end and self._group_starts[group + 1] > row_start
+            ]
+            plans.append(ShardPlan(shard_id=index, row_start=row_start, row_end=row_end, row_groups=groups))
+        return plans
+
+    def iter_shard(self, plan: ShardPlan, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
+        if plan.row_groups is None:
+            raise ValueError(f"shard {plan.shard_id} has no row groups: not a Parquet plan")
+        return self._iter_range(plan.row_start, plan.row_end, plan.row_groups, batch_size)
+
+    def iter_rows(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
+        return self._iter_range(0, self.num_rows(), list(range(len(self._group_starts) - 1)), batch_size)
+
+    def _iter_range(self, row_start: int, row_end: int, row_groups: list[int], batch_size: int) -> Iterator[RowBatch]:
+        if not row_groups or row_end <= row_start:
+            return
+        position = self._group_starts[row_groups[0]]
+        for record_batch in self._file.iter_batches(batch_size=batch_size, row_groups=row_groups):
+            batch_start = position
+            position += record_batch.num_rows
+            low = max(row_start - batch_start, 0)
+            high = min(row_end - batch_start, record_batch.num_rows)
+            if high > low:
+                rows = record_batch.slice(low, high - low).to_pylist()
+                yield [(batch_start + low + offset, row) for offset, row in enumerate(rows)]
+            if position >= row_end:
+                break
+
+    def passthrough_schema(self) -> pa.Schema:
+        return pa.schema(
+            [
+                field
+                for field in self._file.schema_arrow
+                if self._is_passthrough_candidate(field.name) and is_passthrough_type(field.type)
+            ]
+        )
+
+
+def detect_format(path: Path, head: bytes) -> str:
+    """`jsonl` or `parquet` from the extension, else from the first bytes."""
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_EXTENSIONS or head.startswith(PARQUET_MAGIC):
+        return FORMAT_PARQUET
+    if suffix in JSONL_EXTENSIONS or head.lstrip().startswith(b"{"):
+        return FORMAT_JSONL
+    raise JobError(f"{path}: unknown dataset format (expected .jsonl/.json JSON Lines or .parquet)")
+
+
+def open_dataset(path: str | Path, columns: ColumnMap | None = None) -> DatasetReader:
+    """Open and validate a dataset; every job-level problem raises a one-line `JobError`."""
+    path = Path(path)
+    if not path.exists():
+        raise JobError(f"dataset not found: {path}")
+    if not path.is_file():
+        raise JobError(f"dataset is not a file: {path}")
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4096)
+    except OSError as exc:
+        raise JobError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    columns = columns or ColumnMap()
+    if detect_format(path, head) == FORMAT_PARQUET:
+        return ParquetReader(path, columns)
+    return JsonlReader(path, columns)
