@@ -1,0 +1,177 @@
+"""`/v1/chat/completions`: request → media → prompt → shared engine → JSON or an SSE stream.
+
+Everything that can fail because of the client (messages, media, sampling values, prompt
+length) is checked before the request enters the engine, so those failures are proper
+4xx answers and never reach the engine thread or a half-sent stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from vlmbatch.engine.outputs import RequestOutput
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+from vlmbatch.server.async_engine import AsyncEngine
+from vlmbatch.server.errors import APIError
+from vlmbatch.server.media import ServerMedia
+from vlmbatch.server.protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    Usage,
+    new_completion_id,
+)
+from vlmbatch.server.settings import ServerSettings
+from vlmbatch.server.streaming import SSE_DONE, DeltaTracker, sse_event
+
+
+@dataclass
+class PreparedRequest:
+    """A request that passed every client-side check and only needs the engine."""
+
+    request_id: str
+    prompt: PreparedPrompt
+    params: SamplingParams
+
+
+def _usage(output: RequestOutput) -> Usage:
+    prompt_tokens = output.num_input_tokens
+    completion_tokens = output.num_generated_tokens
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+class ChatCompletions:
+    """Turns chat requests into engine requests and engine progress into OpenAI responses."""
+
+    def __init__(self, adapter: ModelAdapter, engine: AsyncEngine, media: ServerMedia, settings: ServerSettings):
+        self._adapter = adapter
+        self._engine = engine
+        self._media = media
+        self._settings = settings
+        # Prompt rendering and HF processors are not safe to share across threads, so one
+        # thread does all of it; media fetching and decoding run in the media pool.
+        self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="vlmbatch-prompt")
+
+    def close(self) -> None:
+        self._prompt_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, request: ChatCompletionRequest) -> PreparedRequest:
+        """Validate and tokenise; raises `APIError` / `RowError` (→ 4xx) for the client's mistakes."""
+        if request.model is not None and request.model != self._settings.model_id:
+            raise APIError(
+                404, f"The model `{request.model}` does not exist; this server serves `{self._settings.model_id}`.",
+                param="model", code="model_not_found",
+            )
+        from vlmbatch.engine.chat import parse_chat_messages
+
+        _, image_refs, video_refs = parse_chat_messages(request.messages)
+        self._check_media_counts(len(image_refs), len(video_refs))
+        images, videos = await self._media.load(image_refs, video_refs, request.media_io_kwargs)
+        loop = asyncio.get_running_loop()
+        try:
+            prompt = await loop.run_in_executor(
+                self._prompt_thread, self._render, request.messages, images, videos, request.requested_max_tokens or 1
+            )
+        except RowError as error:
+            if error.param == "prompt":  # the client sent messages, not the rendered prompt
+                error.param = "messages"
+            raise
+        max_tokens = request.requested_max_tokens or self._adapter.max_model_len - prompt.num_tokens
+        if max_tokens < 1:
+            raise RowError(
+                ErrorType.PROMPT_TOO_LONG,
+                f"the prompt takes {prompt.num_tokens} tokens, the whole context of {self._adapter.max_model_len}",
+                param="messages",
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            stop=request.stop_strings,
+            n=request.n,
+        )
+        return PreparedRequest(new_completion_id(), prompt, params)
+
+    def _render(self, messages: list[dict[str, Any]], images: list[Any], videos: list[Any], max_tokens: int) -> PreparedPrompt:
+        """OpenAI messages (the adapter places the media placeholders) → token ids and pixels."""
+        text = self._adapter.apply_chat_template(messages)
+        return self._adapter.prepare(text, images or None, videos or None, max_tokens)
+
+    def _check_media_counts(self, num_images: int, num_videos: int) -> None:
+        for modality, count in (("image", num_images), ("video", num_videos)):
+            limit = self._settings.limit_for(modality)
+            if count > limit:
+                raise APIError(
+                    400,
+                    f"this request has {count} {modality}s; at most {limit} per prompt are allowed (--limit-mm-per-prompt)",
+                    param="messages",
+                    code="too_many_media",
+                )
+
+    async def complete(self, request: PreparedRequest) -> ChatCompletion:
+        final: RequestOutput | None = None
+        async for output in self._engine.generate(request.request_id, request.prompt, request.params):
+            final = output
+        assert final is not None  # generate() ends only on a finished output or an exception
+        return ChatCompletion(
+            id=request.request_id,
+            model=self._settings.model_id,
+            choices=[
+                Choice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason or "stop")
+                for o in final.outputs
+            ],
+            usage=_usage(final),
+        )
+
+    async def stream(self, request: PreparedRequest, include_usage: bool, created: int) -> AsyncIterator[str]:
+        """SSE events: a role chunk, content deltas, one chunk per choice with its
+        `finish_reason`, the usage chunk when asked for, then `[DONE]`."""
+
+        def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+            body = ChatCompletionChunk(
+                id=request.request_id, created=created, model=self._settings.model_id, choices=choices, usage=usage
+            )
+            return sse_event(body.model_dump())
+
+        yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(request.params.n)])
+        trackers = {i: DeltaTracker(request.params.stop) for i in range(request.params.n)}
+        final: RequestOutput | None = None
+        try:
+            async for output in self._engine.generate(request.request_id, request.prompt, request.params):
+                final = output
+                choices = []
+                for completion in output.outputs:
+                    tracker = trackers.pop(completion.index, None)
+                    if tracker is None:  # this choice already sent its finish_reason
+                        continue
+                    done = output.finished or completion.finish_reason is not None
+                    delta = tracker.next_delta(completion.text, done)
+                    if delta or done:
+                        choices.append(
+                            ChunkChoice(
+                                index=completion.index,
+                                delta=Delta(content=delta),
+                                finish_reason=(completion.finish_reason or "stop") if done else None,
+                            )
+                        )
+                    if not done:
+                        trackers[completion.index] = tracker
+                if choices:
+                    yield chunk(choices)
+        except RowError as error:
+            yield sse_event(APIError.from_row_error(error).body())
+        else:
+            if include_usage and final is not None:
+                yield chunk([], usage=_usage(final))
+        yield SSE_DONE
