@@ -48,3 +48,16 @@ def broker_url() -> str | None:
 def api_key() -> str | None:
     """Bearer token the server requires on /v1 routes (`VLMBATCH_API_KEY`)."""
     return env_str("VLMBATCH_API_KEY", None)
+
+
+def queue_visibility_timeout() -> float:
+    """Seconds a running shard may go without a heartbeat before its message is delivered
+    again (`VLMBATCH_QUEUE_VISIBILITY_TIMEOUT`). Workers renew it while a shard runs, so it
+    bounds how long a `kill -9`-ed worker's shard waits, not how long a shard may take."""
+    return env_float("VLMBATCH_QUEUE_VISIBILITY_TIMEOUT", 20.0)
+
+
+def queue_poison_crashes() -> int:
+    """Crashes of the same row range after which a shard is split to isolate a poison row
+    (`VLMBATCH_QUEUE_POISON_CRASHES`)."""
+    return env_int("VLMBATCH_QUEUE_POISON_CRASHES", 3)

@@ -1,0 +1,78 @@
+"""`vlmbatch worker | status | wait | cancel | resume`: the queue, from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from vlmbatch.cli.options import BrokerOption, ModelOption, OutputOption, resolve_job_dir
+
+JobArgument = typer.Argument(..., help="Job id (under --output) or the path of its folder.")
+
+
+def _job(job: str, output: Path, broker: str | None) -> tuple[Path, str]:
+    """The job's folder and its broker: the flag or VLMBATCH_BROKER_URL, else the one it was submitted to."""
+    from vlmbatch.io.manifest import Manifest
+
+    job_dir = resolve_job_dir(job, output)
+    broker = broker or Manifest.load(job_dir).broker
+    if not broker:
+        raise typer.BadParameter("this job was not queued on a broker; pass --broker", param_hint="--broker")
+    return job_dir, broker
+
+
+def worker(
+    model: str = ModelOption,
+    broker: Optional[str] = BrokerOption,
+    gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each: all, or a list such as 0,1."),
+    dry_run: bool = typer.Option(False, "--dry-run", hidden=True, help="Validate rows without a model (queue benchmark)."),
+) -> None:
+    """Serve MODEL's queue: one process per GPU (one CPU process without GPUs), model loaded once each."""
+    from vlmbatch.workers.supervisor import Supervisor, gpu_slots
+
+    if not broker:
+        raise typer.BadParameter("a worker needs a broker", param_hint="--broker")
+    raise typer.Exit(Supervisor(model, broker, gpu_slots(gpus), dry_run=dry_run).run())
+
+
+def status(job: str = JobArgument, output: Path = OutputOption, broker: Optional[str] = BrokerOption) -> None:
+    """Rows done and failed, shards by state, rows/s, ETA and the workers running it."""
+    from vlmbatch.job.queue import job_status, status_table
+
+    Console().print(status_table(job_status(*_job(job, output, broker))))
+
+
+def wait(job: str = JobArgument, output: Path = OutputOption, broker: Optional[str] = BrokerOption) -> None:
+    """Follow JOB with a progress bar; exit 0 when it completes, 1 if it failed, 3 if cancelled."""
+    from vlmbatch.job.queue import follow_job
+
+    raise typer.Exit(follow_job(*_job(job, output, broker)))
+
+
+def cancel(job: str = JobArgument, output: Path = OutputOption, broker: Optional[str] = BrokerOption) -> None:
+    """Start no new shard of JOB; running shards stop at their next step without committing."""
+    from vlmbatch.job.queue import cancel_job
+
+    cancel_job(*_job(job, output, broker))
+    Console(stderr=True).print(f"cancelled {job}; `vlmbatch resume {job}` continues it")
+
+
+def resume(
+    job: str = JobArgument,
+    output: Path = OutputOption,
+    broker: Optional[str] = BrokerOption,
+    retry_errors: bool = typer.Option(False, "--retry-errors", help="Also re-run the rows that ended in an error."),
+) -> None:
+    """Re-queue every shard of JOB without a committed part (rebuilding Redis state from the folder)."""
+    from vlmbatch.job.queue import resume_job
+
+    queued = resume_job(*_job(job, output, broker), retry_errors=retry_errors)
+    Console(stderr=True).print(f"queued {queued} shards of {job}")
+
+
+def register(app: typer.Typer) -> None:
+    for command in (worker, status, wait, cancel, resume):
+        app.command()(command)

@@ -1,0 +1,59 @@
+"""One worker process: load the model, then consume shards of its queue one at a time.
+
+Started by `vlmbatch worker` (supervisor.py), one per GPU, already pinned with
+`CUDA_VISIBLE_DEVICES`. It uses Celery's solo pool: the task runs in this process, next
+to the model loaded here before the first message is taken. The prefork pool would load
+it in a child instead, where `worker_proc_alive_timeout` (4 s) kills slow model loads in
+a restart loop, and a shard would cross a process boundary for nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+from vlmbatch.workers import runtime
+from vlmbatch.workers.app import make_app, queue_name
+from vlmbatch.workers.store import connect
+
+
+def serve(model: str, broker_url: str, slot: str, dry_run: bool) -> int:
+    """Run until shut down; returns Celery's exit code."""
+    logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
+    llm = None
+    if not dry_run:
+        from vlmbatch.job.plan import load_llm
+
+        llm = load_llm(model)
+    runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot)))
+    app = make_app(broker_url)
+    worker = app.Worker(
+        hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",
+        queues=[queue_name(model)],
+        pool_cls="solo",
+        concurrency=1,
+        # Workers share nothing but Redis and the folder: skipping mingle/gossip saves a
+        # second of start-up and a broadcast per worker.
+        without_mingle=True,
+        without_gossip=True,
+        loglevel="INFO",
+    )
+    worker.start()
+    return int(worker.exitcode or 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="One vlmbatch worker process (started by `vlmbatch worker`).")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--broker", required=True)
+    parser.add_argument("--slot", default="cpu", help="GPU index this process is pinned to, or 'cpu'")
+    parser.add_argument("--dry-run", action="store_true", help="validate rows without a model (queue benchmark)")
+    args = parser.parse_args(argv)
+    sys.exit(serve(args.model, args.broker, args.slot, args.dry_run))
+
+
+if __name__ == "__main__":
+    main()

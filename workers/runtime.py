@@ -1,0 +1,43 @@
+"""What a worker process loaded at start-up, for the shard task to use.
+
+Celery's solo pool runs tasks in the process that started the worker, so the model is
+loaded once, before the first message is consumed, and every shard reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import redis
+
+
+def new_worker_id(slot: str) -> str:
+    """`host/slot/pid-xxxx`: readable in `status`, unique even when a pid is reused."""
+    return f"{socket.gethostname()}/{slot}/{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+@dataclass
+class WorkerRuntime:
+    model: str
+    llm: Any | None  # None: a dry-run worker that validates rows and generates nothing
+    redis: redis.Redis
+    worker_id: str = field(default_factory=lambda: new_worker_id("cpu"))
+
+
+_current: WorkerRuntime | None = None
+
+
+def install(runtime: WorkerRuntime) -> None:
+    global _current
+    _current = runtime
+
+
+def current() -> WorkerRuntime:
+    if _current is None:
+        raise RuntimeError("no model loaded in this process: shard tasks run only inside `vlmbatch worker`")
+    return _current

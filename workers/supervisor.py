@@ -1,0 +1,105 @@
+"""`vlmbatch worker`: one worker process per GPU, restarted when it dies.
+
+Each child is pinned to its GPU with `CUDA_VISIBLE_DEVICES` before it starts (CUDA reads
+it once, at initialisation). Children run in their own session so a terminal's Ctrl+C
+reaches only the supervisor, which forwards every SIGTERM/SIGINT/SIGQUIT exactly once:
+that keeps Celery's "first Ctrl+C warm, second cold" meaning intact. A child that dies
+(OOM, `kill -9`, a poison row) is restarted after a back-off; its shard comes back to the
+queue through the visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+MIN_RESTART_DELAY = 1.0
+MAX_RESTART_DELAY = 30.0
+# A child that lived this long is healthy again: its next crash restarts without back-off.
+HEALTHY_AFTER = 60.0
+
+
+def gpu_slots(gpus: str | None) -> list[str]:
+    """`all` (or nothing) → every visible GPU, `0,1` → those; no GPU at all → `["cpu"]`."""
+    if gpus not in (None, "", "all"):
+        return [g.strip() for g in gpus.split(",") if g.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()] or ["cpu"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] or ["cpu"]
+
+
+@dataclass
+class Child:
+    slot: str
+    process: subprocess.Popen[bytes]
+    started: float
+    delay: float = MIN_RESTART_DELAY
+
+
+class Supervisor:
+    """Keeps one worker process per slot alive until a shutdown signal arrives."""
+
+    def __init__(self, model: str, broker_url: str, slots: list[str], dry_run: bool = False):
+        self.model = model
+        self.broker_url = broker_url
+        self.slots = slots
+        self.dry_run = dry_run
+        self.children: dict[str, Child] = {}
+        self.stopping = False
+
+    def command(self, slot: str) -> list[str]:
+        cmd = [sys.executable, "-m", "vlmbatch.workers.process", "--model", self.model]
+        cmd += ["--broker", self.broker_url, "--slot", slot]
+        return cmd + (["--dry-run"] if self.dry_run else [])
+
+    def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:
+        env = dict(os.environ)
+        if slot != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = slot
+        process = subprocess.Popen(self.command(slot), env=env, start_new_session=True)
+        self.children[slot] = Child(slot, process, time.monotonic(), delay)
+        log.info("worker process %d started on slot %s", process.pid, slot)
+
+    def forward(self, signum: int, _frame: FrameType | None) -> None:
+        self.stopping = True
+        for child in self.children.values():
+            if child.process.poll() is None:
+                child.process.send_signal(signum)
+
+    def run(self) -> int:
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, self.forward)
+        for slot in self.slots:
+            self.spawn(slot)
+        restarts: dict[str, tuple[float, float]] = {}  # slot -> (when to restart, next back-off)
+        while self.children or (restarts and not self.stopping):
+            now = time.monotonic()
+            for slot, child in list(self.children.items()):
+                code = child.process.poll()
+                if code is None:
+                    continue
+                del self.children[slot]
+                if not self.stopping:
+                    healthy = now - child.started > HEALTHY_AFTER
+                    delay = MIN_RESTART_DELAY if healthy else child.delay
+                    log.warning("worker process %d (slot %s) exited with %s; restarting in %.0f s",
+                                child.process.pid, slot, code, delay)
+                    restarts[slot] = (now + delay, min(delay * 2, MAX_RESTART_DELAY))
+            for slot, (when, next_delay) in list(restarts.items()):
+                if now >= when and not self.stopping:
+                    del restarts[slot]
+                    self.spawn(slot, next_delay)
+            time.sleep(0.2)
+        return 0

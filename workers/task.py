@@ -1,0 +1,133 @@
+"""The shard task: run one shard of a job exactly once, whatever Celery delivers.
+
+A message may arrive for a shard that is already committed (a redelivery after the part
+landed), that another worker is running (visibility timeout, duplicate queueing), or for
+a cancelled job. The committed part makes the task idempotent, the lease keeps two copies
+from running at once, and every early stop that did not commit puts the message back:
+when unsure, requeue (a duplicate costs a look at the folder; a lost message loses a shard).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from vlmbatch import config
+from vlmbatch.io.manifest import Manifest
+from vlmbatch.job.queue import part_counts
+from vlmbatch.job.shard import run_shard
+from vlmbatch.workers import runtime
+from vlmbatch.workers.lease import ShardLease
+from vlmbatch.workers.poison import ShardStopped, run_guarded
+from vlmbatch.workers.store import JobStore, advisory
+
+log = logging.getLogger(__name__)
+
+# How often a running shard looks at the job's cancel flag (one Redis GET each time).
+CANCEL_POLL_SECONDS = 0.5
+
+
+def run_shard_task(task: Any, job_dir: str, shard_id: int, retry_errors: bool = False) -> str:
+    """Celery entry point (bound task); returns what happened, for the worker log.
+
+    With `retry_errors` the shard's committed part is rewritten with its error rows re-run.
+    """
+    from celery.exceptions import Reject
+
+    worker = runtime.current()
+    manifest = Manifest.load(job_dir)
+    store = JobStore(worker.redis, manifest.job_id)
+    committed = manifest.part_path(shard_id).exists
+    if committed() != retry_errors:
+        return "already committed" if committed() else "no part to retry"
+    if store.is_cancelled():
+        store.set_shard_state(shard_id, "cancelled")
+        return "cancelled"
+
+    ttl = config.queue_visibility_timeout()
+    delivery_tag = (task.request.properties or {}).get("delivery_tag")
+    lease = ShardLease(worker.redis, store.lease_key(shard_id), worker.worker_id, ttl, delivery_tag)
+    if not lease.acquire():
+        # A live worker runs this shard. Acking this copy could drop the only message left
+        # for the shard (a redelivered message shares its ack with the running one), so a
+        # fresh copy is queued for later: it finds the part committed, or the lease expired.
+        raise task.retry(countdown=ttl / 2, max_retries=None)
+    try:
+        with lease:
+            if committed() != retry_errors:
+                return "already committed" if committed() else "no part to retry"
+            return _run_leased(manifest, Path(job_dir), shard_id, worker, store, lease, retry_errors)
+    except ShardStopped:
+        if _cancelled(store):
+            store.set_shard_state(shard_id, "cancelled")
+            return "cancelled"
+        with advisory("record the requeue"):
+            store.set_shard_state(shard_id, "queued")
+        raise Reject("stopped before commit (shutdown or lease lost)", requeue=True)
+    except NotImplementedError:
+        # A cold shutdown (SIGQUIT, second Ctrl+C) of a solo-pool worker tries to kill the
+        # running task and raises this in it; Celery would then ack and lose the shard.
+        with advisory("record the requeue"):
+            store.set_shard_state(shard_id, "queued")
+        raise Reject("cold shutdown", requeue=True)
+
+
+def _run_leased(
+    manifest: Manifest,
+    job_dir: Path,
+    shard_id: int,
+    worker: runtime.WorkerRuntime,
+    store: JobStore,
+    lease: ShardLease,
+    retry_errors: bool,
+) -> str:
+    from celery.worker import state as worker_state
+
+    attempt = store.next_attempt(shard_id)
+    store.start_attempt(shard_id)
+    store.set_shard_state(shard_id, "running", worker=worker.worker_id, attempt=attempt)
+    last_poll = 0.0
+    cancelled = False
+
+    def should_stop() -> bool:
+        nonlocal last_poll, cancelled
+        if lease.lost.is_set() or worker_state.should_stop is not None or worker_state.should_terminate is not None:
+            return True
+        if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
+            last_poll = time.monotonic()
+            cancelled = _cancelled(store)
+        return cancelled
+
+    def on_progress(ok: int, failed: int) -> None:
+        with advisory("count rows"):
+            store.add_rows(shard_id, ok, failed)
+
+    options: dict[str, Any] = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress}
+    try:
+        if retry_errors:
+            if run_shard(manifest, job_dir, shard_id, worker.llm, retry_errors=True, **options).stopped:
+                raise ShardStopped
+        else:
+            run_guarded(manifest, job_dir, shard_id, worker.llm, store, config.queue_poison_crashes(), **options)
+    except Exception as exc:
+        if not isinstance(exc, (ShardStopped, NotImplementedError)):
+            with advisory("record the failed shard"):
+                store.set_shard_state(shard_id, "failed", worker=worker.worker_id, error=f"{type(exc).__name__}: {exc}")
+        raise
+    ok, failed = part_counts(manifest.part_path(shard_id))  # the part, not this run: exact
+    with advisory("record the committed shard"):
+        store.set_rows(shard_id, ok, failed)
+        store.set_shard_state(shard_id, "done", worker=worker.worker_id, attempt=attempt)
+    return f"committed {ok} ok, {failed} failed"
+
+
+def _cancelled(store: JobStore) -> bool:
+    """The cancel flag, read as "not cancelled" while Redis is unreachable."""
+    import redis
+
+    try:
+        return store.is_cancelled()
+    except redis.RedisError:
+        return False
