@@ -392,8 +392,12 @@ def detect_format(path: Path, head: bytes) -> str:
     raise JobError(f"{path}: unknown dataset format (expected .jsonl/.json JSON Lines or .parquet)")
 
 
-def open_dataset(path: str | Path, columns: ColumnMap | None = None) -> DatasetReader:
-    """Open and validate a dataset; every job-level problem raises a one-line `JobError`."""
+def open_dataset(path: str | Path, columns: ColumnMap | None = None, format: str | None = None) -> DatasetReader:
+    """Open and validate a dataset; every job-level problem raises a one-line `JobError`.
+
+    `format` (a manifest's recorded format) skips detection; JSONL and OpenAI Batch
+    share one reader, which tells them apart by the lines themselves.
+    """
     path = Path(path)
     if not path.exists():
         raise JobError(f"dataset not found: {path}")
@@ -404,7 +408,9 @@ def open_dataset(path: str | Path, columns: ColumnMap | None = None) -> DatasetR
             head = handle.read(4096)
     except OSError as exc:
         raise JobError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    if format is not None and format not in (FORMAT_JSONL, FORMAT_OPENAI_BATCH, FORMAT_PARQUET):
+        raise JobError(f"unknown dataset format {format!r}")
     columns = columns or ColumnMap()
-    if detect_format(path, head) == FORMAT_PARQUET:
+    if (format or detect_format(path, head)) == FORMAT_PARQUET:
         return ParquetReader(path, columns)
     return JsonlReader(path, columns)
