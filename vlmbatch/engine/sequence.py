@@ -39,6 +39,7 @@ class MultimodalData:
     hashes: list[str]
     token_spans: list[tuple[int, int]]
     embeds: Any = None
+    media_index: Any = None  # int64 [num_prompt_tokens]: row of `embeds` for each media token, else -1
     rope_positions: Any = None  # [3, num_prompt_tokens] for M-RoPE models
     rope_delta: int = 0
 

@@ -1,0 +1,175 @@
+"""Attention backends over the paged KV cache.
+
+Every backend follows the paged-KV contract shared with `vlmbatch.kernels`: per layer a
+`[num_blocks, block_size, num_kv_heads, head_dim]` K and V cache, `slot_mapping` for the
+tokens written this step, `block_tables` / `context_lens` per sequence, and causal
+prefill with an offset (query i of a sequence with q_len queries sits at position
+context_len - q_len + i). The runner never emits slot -1: padding rows of a CUDA graph
+write into a spare block instead, so every backend can store with one scatter.
+
+* `torch`: plain PyTorch (gather + SDPA); runs anywhere, the CPU parity tests use it.
+* `triton`: our kernels in `vlmbatch.kernels` (lazy import: they need a GPU or
+  `TRITON_INTERPRET=1`).
+* `flash-attn`: the `flash_attn` package's paged API, when it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each sequence attends to.
+
+    Tensors live on the model's device; `q_lens` / `context_lens_host` are host copies for
+    backends that loop over sequences (known when the batch is built, so no sync).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    context_lens: torch.Tensor  # int32 [num_seqs], cached + new tokens
+    cu_seqlens_q: torch.Tensor | None = None  # int32 [num_seqs + 1], prefill only
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1], prefill only
+    max_q_len: int = 1
+    max_context_len: int = 1
+    q_lens: list[int] | None = None
+    context_lens_host: list[int] | None = None
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write this step's keys/values [num_tokens, kv_heads, head_dim] into their slots."""
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [total_q, heads, dim] -> out, same shape; this step's k/v are already stored."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [num_seqs, heads, dim] -> out, same shape. Must be CUDA-graph capturable."""
+
+
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as [length, kv_heads, dim]."""
+    return cache[block_ids.long()].flatten(0, 1)[:length]
+
+
+class TorchBackend(AttentionBackend):
+    """Gather the paged KV and call SDPA (fused kernels on GPU, the math kernel on CPU)."""
+
+    name = "torch"
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        block_size = k_cache.shape[1]
+        start = 0
+        for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.context_lens_host)):
+            end = start + q_len
+            if ctx == q_len:  # nothing cached before: this step's k/v are the whole context
+                keys, values = k[start:end], v[start:end]
+                mask, causal = None, True
+            else:
+                blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size]
+                keys, values = _gather_context(k_cache, blocks, ctx), _gather_context(v_cache, blocks, ctx)
+                rows = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
+                mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows, False
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)
+            start = end
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        num_seqs, max_blocks = meta.block_tables.shape
+        blocks = meta.block_tables.clamp(min=0).long()
+        keys = k_cache[blocks].flatten(1, 2)  # [num_seqs, max_blocks * block_size, kv_heads, dim]
+        values = v_cache[blocks].flatten(1, 2)
+        positions = torch.arange(keys.shape[1], device=q.device)
+        mask = (positions.unsqueeze(0) < meta.context_lens.unsqueeze(1))[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+
+class TritonBackend(AttentionBackend):
+    """Our Triton kernels (split-KV decode, varlen paged prefill)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from vlmbatch import kernels
+
+        self.kernels = kernels
+
+    def store_kv(self, k, v, k_cache, v_cache, meta):
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+        return self.kernels.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.max_q_len, scale
+        )
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+
+
+class FlashAttnBackend(AttentionBackend):
+    """FlashAttention-2/3's paged API (`flash_attn` package). Needs block_size % 256 == 0."""
+
+    name = "flash-attn"
+
+    def __init__(self) -> None:
+        import flash_attn
+
+        self.flash_attn = flash_attn
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+        return self.flash_attn.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_q_len, max_seqlen_k=meta.max_context_len, softmax_scale=scale,
+            causal=True, block_table=meta.block_tables,
+        )
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return self.flash_attn.flash_attn_with_kvcache(
+            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens, block_table=meta.block_tables,
+            softmax_scale=scale, causal=True,
+        ).squeeze(1)
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (TorchBackend, TritonBackend, FlashAttnBackend)}
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Backends that can run on `device`, fastest first per the H200 measurements
+    (docs/engine.md): our Triton kernels, then flash-attn, then plain PyTorch."""
+    if device.type != "cuda":
+        return ["torch"]
+    names = []
+    if importlib.util.find_spec("triton") is not None:
+        names.append("triton")
+    if importlib.util.find_spec("flash_attn") is not None:
+        names.append("flash-attn")
+    return [*names, "torch"]
+
+
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` takes the first of `available_backends(device)`."""
+    if name == "auto":
+        name = available_backends(device)[0]
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]()

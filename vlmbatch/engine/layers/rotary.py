@@ -1,0 +1,50 @@
+"""Rotary position embeddings for flat token batches: 1-D RoPE and Qwen2-VL's M-RoPE.
+
+The inverse frequencies and scaling come from the checkpoint's own `transformers`
+rotary module, so every rope type it supports is reproduced exactly. M-RoPE gives each
+token three positions (temporal, height, width); frequency band i of the rotary
+dimension takes its angle from axis i % 3 over the `mrope_section` split, and the
+result is laid out like 1-D RoPE, so one `apply_rotary` serves both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, mrope_section: list[int] | None = None):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.attention_scaling = attention_scaling
+        self.mrope_section = list(mrope_section) if mrope_section else None
+
+    @classmethod
+    def from_hf(cls, hf_rotary: nn.Module, mrope: bool) -> "RotaryEmbedding":
+        section = getattr(hf_rotary, "mrope_section", None) if mrope else None
+        if mrope and section is None:
+            raise ValueError("an M-RoPE model's rotary module has no mrope_section")
+        return cls(hf_rotary.inv_freq, float(getattr(hf_rotary, "attention_scaling", 1.0)), section)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_tokens, head_dim] for positions [num_tokens] (or [3, num_tokens])."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [..., num_tokens, head_dim / 2]
+        if self.mrope_section is not None:
+            if positions.dim() == 1:
+                freqs = freqs.unsqueeze(0).expand(3, -1, -1)
+            bands = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+        freqs = torch.cat((freqs, freqs), dim=-1)
+        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [N, heads, dim] and k [N, kv_heads, dim] (rotate-half layout)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    return rotate(q), rotate(k)

@@ -1,0 +1,210 @@
+"""The fast engine: continuous batching over a paged KV cache with our own decoders.
+
+`PagedEngine.step()` = schedule (scheduler + block manager) → encode the media of newly
+admitted requests (vision tower, batched, cached by content) → one forward + sampling
+(runner) → append tokens, detokenise incrementally, check EOS / stop strings / length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlmbatch.engine.attention import create_backend
+from vlmbatch.engine.base import Engine
+from vlmbatch.engine.block_manager import BlockManager
+from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
+from vlmbatch.engine.runner import ModelRunner
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
+from vlmbatch.engine.sequence import MultimodalData, Sequence, SequenceStatus
+from vlmbatch.engine.models.vlm import build_model
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+
+
+@dataclass
+class EngineStats:
+    """Counters the tests and benchmarks read to see which mechanisms actually ran."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_graph_replays: int = 0
+    num_encoded_media: int = 0
+    num_encoder_cache_hits: int = 0
+    num_generated_tokens: int = 0
+
+
+class _Detokenizer:
+    """Incremental detokenisation (`tokenizers.DecodeStream`): each step costs O(new tokens)."""
+
+    def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self.stream.step(self.backend, token_id) or ""
+
+
+class PagedEngine(Engine):
+    name = "paged"
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        model_path: str,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        attention_backend: str = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        gpu_memory_utilization: float = 0.9,
+        num_kv_blocks: int | None = None,
+        block_size: int | None = None,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        max_model_len: int | None = None,
+    ):
+        from vlmbatch.models.registry import load_hf_model, resolve_device, resolve_dtype
+
+        super().__init__(adapter)
+        target = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, target)
+        self.device = target
+        self.max_model_len = min(max_model_len or adapter.max_model_len, adapter.max_model_len)
+        block_size = block_size or (16 if target.type == "cpu" else 256)
+        self.model = build_model(load_hf_model(model_path, torch_dtype, str(target)), target, torch_dtype)
+        self.backend = create_backend(attention_backend, target)
+        self.runner = ModelRunner(
+            self.model, self.backend, target, block_size, max_num_seqs, max_num_batched_tokens,
+            self.max_model_len, num_kv_blocks, gpu_memory_utilization, enforce_eager,
+        )
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.tokenizer = adapter.processor.tokenizer
+        self.eos_token_ids = set(adapter.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, _Detokenizer] = {}
+        self.stats = EngineStats()
+        self._arrivals = 0
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request {request_id!r} is already running")
+        if params.n != 1:
+            raise RowError(ErrorType.INVALID_ROW, "the paged engine generates one completion per request (n=1)", "n")
+        total = prompt.num_tokens + params.max_tokens
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if total > min(self.max_model_len, capacity):
+            raise RowError(
+                ErrorType.PROMPT_TOO_LONG,
+                f"prompt of {prompt.num_tokens} tokens + max_tokens {params.max_tokens} exceeds "
+                f"the engine's limit of {min(self.max_model_len, capacity)} tokens",
+                "prompt",
+            )
+        seq = Sequence(request_id, list(prompt.prompt_token_ids), params, prompt=prompt.prompt, arrival=self._arrivals)
+        self._arrivals += 1
+        if prompt.mm_inputs:
+            seq.mm = self._multimodal_data(prompt)
+        self.seqs[request_id] = seq
+        self.detokenizers[request_id] = _Detokenizer(self.tokenizer)
+        self.scheduler.add(seq)
+
+    def _multimodal_data(self, prompt: PreparedPrompt) -> MultimodalData:
+        """Media items, the prompt positions their tokens fill, and M-RoPE positions."""
+        items = self.model.split_media(prompt.mm_inputs, prompt.mm_hashes)
+        ids = torch.tensor(prompt.prompt_token_ids)
+        media_index = torch.full_like(ids, -1)
+        spans, row = [], 0
+        for kind, token_id in self.model.placeholder_token_ids.items():
+            where = (ids == token_id).nonzero().squeeze(1)
+            kind_items = [i for i in items if i.kind == kind]
+            if sum(i.num_tokens for i in kind_items) != len(where):
+                raise RowError(ErrorType.PLACEHOLDER_MISMATCH, f"{len(where)} {kind} tokens for {len(kind_items)} {kind}(s)", "prompt")
+            for item, positions in zip(kind_items, where.split([i.num_tokens for i in kind_items])):
+                spans.append((item, (int(positions[0]), int(positions[-1]) + 1)))
+                media_index[positions] = torch.arange(row, row + item.num_tokens)
+                row += item.num_tokens
+        ordered = [item for item, _ in spans]
+        rope_positions, rope_delta = self.model.prompt_positions(prompt.prompt_token_ids, prompt.mm_inputs)
+        return MultimodalData(
+            inputs={"items": ordered}, hashes=[i.content_hash for i in ordered],
+            token_spans=[span for _, span in spans], media_index=media_index,
+            rope_positions=rope_positions, rope_delta=rope_delta,
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        self.detokenizers.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self._encode_media(batch)
+        seqs, tokens = self.runner.run(batch)
+        self.scheduler.finish_step(batch)
+        self._count(batch)
+        outputs = []
+        for seq, token in zip(seqs, tokens):
+            self._append(seq, token)
+            self.stats.num_generated_tokens += 1
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                del self.seqs[seq.request_id], self.detokenizers[seq.request_id]
+        return outputs
+
+    def _encode_media(self, batch: ScheduledBatch) -> None:
+        pending = [s for s in batch.seqs if s.mm is not None and s.mm.embeds is None]
+        if pending:
+            for seq, embeds in zip(pending, self.model.encode([s.mm.inputs["items"] for s in pending])):
+                seq.mm.embeds = embeds
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        params = seq.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", token
+            return
+        previous = len(seq.text)
+        seq.text += self.detokenizers[seq.request_id].step(token)
+        for stop in params.stop:
+            at = seq.text.find(stop, max(0, previous - len(stop) + 1))
+            if at >= 0:
+                seq.text = seq.text[:at]
+                seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", stop
+                return
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [completion], seq.is_finished)
+
+    def _count(self, batch: ScheduledBatch) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.num_prefill_steps += batch.is_prefill
+        s.num_decode_steps += not batch.is_prefill
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.num_chunked_prefills = self.scheduler.num_chunked_prefills
+        s.num_prefix_hit_tokens = self.block_manager.num_prefix_hit_tokens
+        s.num_graph_replays = self.runner.num_graph_replays
+        s.num_encoded_media = self.model.num_encoded_items
+        s.num_encoder_cache_hits = self.model.num_encoder_cache_hits

@@ -1,0 +1,263 @@
+"""Turns a scheduled batch into one forward pass over the paged KV cache, then samples.
+
+Owns the device state: the KV cache (one tensor pair per layer, sized from free GPU
+memory unless `num_kv_blocks` is given), the attention backend, and on CUDA the decode
+CUDA graphs, one per batch size in 1, 2, 4, 8, 16, 32, ... up to `max_num_seqs`,
+captured over static input buffers and replayed with the batch padded to the next
+captured size. Padding rows write their KV into one spare block past the ones the
+block manager hands out, so they never touch a sequence's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
+from vlmbatch.engine.models.vlm import VisionLanguageModel
+from vlmbatch.engine.sampler import SamplingBatch, sample
+from vlmbatch.engine.scheduler import ScheduledBatch
+from vlmbatch.engine.sequence import Sequence
+
+_ACTIVATION_RESERVE_BYTES = 2 << 30  # vision tower and sampling workspace beyond the measured prefill peak
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] * 2 if sizes[-1] < 32 else sizes[-1] + 32)
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: VisionLanguageModel,
+        backend: AttentionBackend,
+        device: torch.device,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+    ):
+        self.model = model
+        self.decoder = model.decoder
+        self.backend = backend
+        self.device = device
+        self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.block_size = block_size
+        self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
+        self.num_kv_blocks = num_kv_blocks or self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
+        self.kv_caches = self._allocate_cache(self.num_kv_blocks + 1)
+        self.pad_slot = self.num_kv_blocks * block_size  # the spare block
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_graph_replays = 0
+        if device.type == "cuda" and not enforce_eager:
+            self._capture_decode_graphs(max_num_seqs)
+
+    # ---- KV cache -------------------------------------------------------------------
+    def _block_bytes(self) -> int:
+        per_token = 2 * len(self.decoder.layers) * self.decoder.num_kv_heads * self.decoder.head_dim
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def _allocate_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, self.decoder.num_kv_heads, self.decoder.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.decoder.layers]
+
+    def _blocks_from_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
+        """What is left of `utilization` x device memory after the weights and the peak of
+        a full-budget prefill (measured by running one)."""
+        if self.device.type != "cuda":
+            raise ValueError("num_kv_blocks must be given on the CPU")
+        num_tokens = max_num_batched_tokens
+        blocks = (num_tokens + self.block_size - 1) // self.block_size
+        self.kv_caches = self._allocate_cache(blocks + 1)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        seq_meta = self._prefill_metadata_for_warmup(num_tokens, blocks)
+        with torch.no_grad():
+            embeds = self.decoder.embed_tokens(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
+            positions = torch.arange(num_tokens, device=self.device)
+            if self.model.mrope:
+                positions = positions.expand(3, -1)
+            hidden = self.decoder(embeds, positions, self.kv_caches, seq_meta, self.backend)
+            self.decoder.compute_logits(hidden[-1:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del self.kv_caches
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        budget = int(total * utilization) - peak - _ACTIVATION_RESERVE_BYTES
+        num_blocks = budget // self._block_bytes()
+        if num_blocks < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
+        return int(num_blocks)
+
+    def _prefill_metadata_for_warmup(self, num_tokens: int, blocks: int) -> AttentionMetadata:
+        return self._metadata(
+            is_prefill=True,
+            slot_mapping=list(range(num_tokens)),
+            block_tables=[list(range(blocks))],
+            q_lens=[num_tokens],
+            context_lens=[num_tokens],
+        )
+
+    # ---- inputs -----------------------------------------------------------------------
+    def _metadata(self, is_prefill: bool, slot_mapping: list[int], block_tables: list[list[int]], q_lens: list[int], context_lens: list[int]) -> AttentionMetadata:
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        cu_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_k = torch.tensor([0, *context_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        to = dict(device=self.device, non_blocking=True)
+        return AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(**to),
+            block_tables=tables.to(**to),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(**to),
+            cu_seqlens_q=cu_q.to(**to),
+            cu_seqlens_k=cu_k.to(**to),
+            max_q_len=max(q_lens),
+            max_context_len=max(context_lens),
+            q_lens=q_lens,
+            context_lens_host=context_lens,
+        )
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[i // bs] * bs + i % bs for i in range(start, end)]
+
+    def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Rope positions of tokens [start, end): M-RoPE's [3, n] or 1-D [n]."""
+        if not self.model.mrope:
+            return torch.arange(start, end)
+        mm = seq.mm
+        if mm is None or mm.rope_positions is None:
+            return torch.arange(start, end).expand(3, -1)
+        prompt_end = min(end, seq.num_prompt_tokens)
+        parts = [mm.rope_positions[:, start:prompt_end]] if start < prompt_end else []
+        if end > seq.num_prompt_tokens:  # generated tokens being recomputed after preemption
+            parts.append((torch.arange(max(start, seq.num_prompt_tokens), end) + mm.rope_delta).expand(3, -1))
+        return torch.cat(parts, dim=1)
+
+    def _prefill_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids, positions, slots, q_lens, ctx_lens = [], [], [], [], []
+        media_rows, media_at = [], []  # media embedding rows and where they go in the flat batch
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.append(self._positions(seq, start, start + n))
+            slots.extend(self._slots(seq, start, start + n))
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            if seq.mm is not None and seq.mm.embeds is not None and start < seq.num_prompt_tokens:
+                index = seq.mm.media_index[start : start + n]
+                at = (index >= 0).nonzero().squeeze(1)
+                media_rows.append(seq.mm.embeds[index[at]])
+                media_at.append(at + offset)
+            offset += n
+        embeds = self.decoder.embed_tokens(torch.tensor(ids).to(self.device, non_blocking=True))
+        if media_rows:
+            embeds[torch.cat(media_at).to(self.device)] = torch.cat(media_rows).to(self.device, embeds.dtype)
+        meta = self._metadata(True, slots, [s.block_table for s in batch.seqs], q_lens, ctx_lens)
+        return embeds, torch.cat(positions, dim=-1).to(self.device, non_blocking=True), meta
+
+    def _decode_host_inputs(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor, list[int], list[int]]:
+        ids = [s.token_ids[-1] for s in seqs]
+        positions = torch.cat([self._positions(s, len(s) - 1, len(s)) for s in seqs], dim=-1)
+        slots = [self._slots(s, len(s) - 1, len(s))[0] for s in seqs]
+        return ids, positions, slots, [len(s) for s in seqs]
+
+    # ---- forward ----------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """Run the step; return the sequences that got a next token and those tokens."""
+        if batch.is_prefill:
+            embeds, positions, meta = self._prefill_inputs(batch)
+            hidden = self.decoder(embeds, positions, self.kv_caches, meta, self.backend)
+            done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == len(s)]
+            if not done:
+                return [], []
+            last = torch.tensor(meta.q_lens).cumsum(0)[done] - 1
+            logits = self.decoder.compute_logits(hidden[last.to(self.device)])
+            seqs = [batch.seqs[i] for i in done]
+        else:
+            seqs = batch.seqs
+            logits = self._decode_logits(seqs)
+        params = [s.params for s in seqs]
+        sampling = SamplingBatch.build(params, [s.num_output_tokens for s in seqs], self.device)
+        return seqs, sample(logits, sampling).tolist()
+
+    def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        ids, positions, slots, ctx = self._decode_host_inputs(seqs)
+        graph_size = next((b for b in sorted(self.graphs) if b >= len(seqs)), None)
+        if graph_size is None:
+            meta = self._metadata(False, slots, [s.block_table for s in seqs], [1] * len(seqs), ctx)
+            embeds = self.decoder.embed_tokens(torch.tensor(ids).to(self.device, non_blocking=True))
+            hidden = self.decoder(embeds, positions.to(self.device, non_blocking=True), self.kv_caches, meta, self.backend)
+            return self.decoder.compute_logits(hidden)
+        return self._replay(graph_size, ids, positions, slots, [s.block_table for s in seqs], ctx)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def _capture_decode_graphs(self, max_num_seqs: int) -> None:
+        n = max_num_seqs
+        self.static = {
+            "ids": torch.zeros(n, dtype=torch.long, device=self.device),
+            "positions": torch.zeros((3, n) if self.model.mrope else (n,), dtype=torch.long, device=self.device),
+            "meta": AttentionMetadata(
+                is_prefill=False,
+                slot_mapping=torch.full((n,), self.pad_slot, dtype=torch.int64, device=self.device),
+                block_tables=torch.full((n, self.max_blocks_per_seq), -1, dtype=torch.int32, device=self.device),
+                context_lens=torch.ones(n, dtype=torch.int32, device=self.device),
+            ),
+        }
+        self.static["meta"].block_tables[:, 0] = self.num_kv_blocks
+        self.graph_logits: dict[int, torch.Tensor] = {}
+        pool = None
+        for size in reversed(graph_batch_sizes(max_num_seqs)):
+            meta = self._static_meta_view(size)
+            self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_logits[size] = self._decode_forward(size, meta)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def _static_meta_view(self, size: int) -> AttentionMetadata:
+        meta = self.static["meta"]
+        return AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=meta.slot_mapping[:size],
+            block_tables=meta.block_tables[:size],
+            context_lens=meta.context_lens[:size],
+            max_context_len=self.max_blocks_per_seq * self.block_size,
+        )
+
+    def _decode_forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        embeds = self.decoder.embed_tokens(self.static["ids"][:size])
+        hidden = self.decoder(embeds, self.static["positions"][..., :size], self.kv_caches, meta, self.backend)
+        return self.decoder.compute_logits(hidden)
+
+    def _replay(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int]) -> torch.Tensor:
+        n = len(ids)
+        static, meta = self.static, self.static["meta"]
+        to = dict(device=self.device, non_blocking=True)
+        static["ids"][:n].copy_(torch.tensor(ids).to(**to))
+        static["positions"][..., :n].copy_(positions.to(**to))
+        meta.slot_mapping[:size].fill_(self.pad_slot)
+        meta.slot_mapping[:n].copy_(torch.tensor(slots).to(**to))
+        meta.context_lens[:size].fill_(1)
+        meta.context_lens[:n].copy_(torch.tensor(ctx, dtype=torch.int32).to(**to))
+        width = max(len(t) for t in tables)
+        host_tables = torch.full((n, width), -1, dtype=torch.int32)
+        for row, table in enumerate(tables):
+            host_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        meta.block_tables[:size].fill_(-1)
+        meta.block_tables[n:size, 0] = self.num_kv_blocks
+        meta.block_tables[:n, :width].copy_(host_tables.to(**to))
+        self.graphs[size].replay()
+        self.num_graph_replays += 1
+        return self.graph_logits[size][:n]
