@@ -1,0 +1,234 @@
+"""The reference engine: static batches through Hugging Face `generate()`.
+
+It is deliberately plain, because it is the oracle the fast engine is checked against and
+its peer in benchmarks. Each `step()` runs one static batch of requests that share their
+sampling settings, then cuts every request at its own end (max_tokens, EOS, stop string).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from vlmbatch.engine.base import Engine
+from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: PreparedPrompt
+    params: SamplingParams
+
+
+@dataclass
+class _Ending:
+    """Where one generated sequence ends and why."""
+
+    length: int
+    finish_reason: str
+    stop_reason: str | int | None = None
+    text: str | None = None  # set when a stop string cut the text mid-token
+
+
+def _batch_key(params: SamplingParams, request_id: str) -> tuple:
+    """Requests in one `generate()` call must share these settings. A seeded sampling
+    request runs alone, so its tokens do not depend on what it was batched with."""
+    if params.greedy:
+        return ("greedy", params.ignore_eos, params.n)
+    if params.seed is not None:
+        return ("seeded", request_id)
+    return ("sample", params.temperature, params.top_p, params.top_k, params.ignore_eos, params.n)
+
+
+class _RequestsDone(StoppingCriteria):
+    """Per-row stop test, so `generate()` ends the batch as soon as every row has ended
+    (HF's own criteria apply one max length and one stop-string list to the whole batch).
+    Only the newest token is looked at, except for rows with stop strings."""
+
+    def __init__(self, engine: "HFEngine", params: list[SamplingParams], prompt_len: int):
+        device = engine.device
+        self.engine, self.prompt_len = engine, prompt_len
+        self.eos = torch.tensor(sorted(engine.eos_token_ids), device=device)
+        self.honours_eos = torch.tensor([not p.ignore_eos for p in params], device=device)
+        self.max_tokens = torch.tensor([p.max_tokens for p in params], device=device)
+        self.stops = {row: p.stop for row, p in enumerate(params) if p.stop}
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        generated = input_ids.shape[1] - self.prompt_len
+        done = (torch.isin(input_ids[:, -1], self.eos) & self.honours_eos) | (generated >= self.max_tokens)
+        for row, stops in self.stops.items():
+            text = self.engine.tokenizer.decode(input_ids[row, self.prompt_len :], skip_special_tokens=True)
+            if any(stop in text for stop in stops):
+                done[row] = True
+        return done
+
+
+class HFEngine(Engine):
+    name = "hf"
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        model: torch.nn.Module | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        max_batch_size: int = 64,
+        seed: int = 0,
+    ):
+        super().__init__(adapter)
+        if model is None:
+            from vlmbatch.models.registry import load_hf_model
+
+            model = load_hf_model(adapter.model_path, dtype=dtype, device=device)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.tokenizer = adapter.processor.tokenizer
+        self.eos_token_ids = set(adapter.eos_token_ids)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
+        # Qwen's M-RoPE needs the per-token modality; rebuilt from the ids when the model takes it.
+        self._takes_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
+        torch.manual_seed(seed)  # unseeded sampling is reproducible run to run, as in vLLM
+
+    def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        if request_id in self._waiting:
+            raise ValueError(f"request {request_id!r} is already queued")
+        self._waiting[request_id] = _Request(request_id, prompt, params)
+
+    def abort_request(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting)
+
+    def step(self) -> list[RequestOutput]:
+        """Run the oldest waiting request with up to `max_batch_size - 1` others that share its
+        sampling settings; return all of them finished."""
+        if not self._waiting:
+            return []
+        first = next(iter(self._waiting.values()))
+        key = _batch_key(first.params, first.request_id)
+        batch = [r for r in self._waiting.values() if _batch_key(r.params, r.request_id) == key]
+        batch = batch[: self.max_batch_size]
+        for request in batch:
+            del self._waiting[request.request_id]
+        return self._run_batch(batch)
+
+    def _collate(self, batch: list[_Request]) -> dict[str, torch.Tensor]:
+        """Left-pad the prompts (generation appends on the right) and concatenate the media."""
+        longest = max(r.prompt.num_tokens for r in batch)
+        input_ids = torch.full((len(batch), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, request in enumerate(batch):
+            ids = request.prompt.prompt_token_ids
+            input_ids[row, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, longest - len(ids) :] = 1
+        inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self._takes_token_types:
+            inputs["mm_token_type_ids"] = self.adapter.mm_token_type_ids(input_ids)
+        keys = dict.fromkeys(k for r in batch for k in r.prompt.mm_inputs)
+        for key in keys:
+            inputs[key] = torch.cat([r.prompt.mm_inputs[key] for r in batch if key in r.prompt.mm_inputs], dim=0)
+        dtype = self.model.dtype
+        return {
+            k: v.to(self.device, dtype=dtype) if k.startswith("pixel_values") else v.to(self.device)
+            for k, v in inputs.items()
+        }
+
+    def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
+        """Every knob set explicitly: `generate()` would otherwise fill unset ones from the
+        checkpoint's generation_config.json (e.g. Qwen's repetition_penalty 1.05)."""
+        sampling = {} if params.greedy else {
+            "temperature": float(params.temperature),
+            "top_p": float(params.top_p),
+            "top_k": max(params.top_k, 0),  # 0 turns HF's default top-k of 50 off
+        }
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=not params.greedy,
+            repetition_penalty=1.0,
+            num_beams=1,
+            num_return_sequences=params.n,
+            # An empty list keeps generate() from stopping at EOS: `_RequestsDone` decides.
+            eos_token_id=[] if params.ignore_eos else sorted(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+            **sampling,
+        )
+
+    @torch.inference_mode()
+    def _run_batch(self, batch: list[_Request]) -> list[RequestOutput]:
+        params = batch[0].params
+        inputs = self._collate(batch)
+        prompt_len = inputs["input_ids"].shape[1]
+        row_params = [r.params for r in batch for _ in range(params.n)]
+        config = self._generation_config(params, max(r.params.max_tokens for r in batch))
+        stopping = StoppingCriteriaList([_RequestsDone(self, row_params, prompt_len)])
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if params.seed is not None and not params.greedy:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(**inputs, generation_config=config, stopping_criteria=stopping)
+        rows = out[:, prompt_len:].tolist()
+        results = []
+        for i, request in enumerate(batch):
+            completions = [
+                self._completion(index, rows[i * params.n + index], request.params) for index in range(params.n)
+            ]
+            results.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    prompt=request.prompt.prompt,
+                    prompt_token_ids=list(request.prompt.prompt_token_ids),
+                    outputs=completions,
+                    finished=True,
+                )
+            )
+        return results
+
+    def _ending(self, tokens: list[int], params: SamplingParams) -> _Ending:
+        """Where a generated row ends for `params`: the earliest of EOS, a stop string and
+        max_tokens (anything after it, e.g. padding of a row that ended early, is ignored)."""
+        limit = min(len(tokens), params.max_tokens)
+        eos_at = None
+        if not params.ignore_eos:
+            eos_at = next((i for i, t in enumerate(tokens[:limit]) if t in self.eos_token_ids), None)
+        if eos_at is not None:
+            limit = eos_at + 1
+        if params.stop:
+            text = self.tokenizer.decode(tokens[:limit], skip_special_tokens=True)
+            if any(s in text for s in params.stop):
+                return self._stop_string_ending(tokens[:limit], params.stop)
+        if eos_at is not None:
+            return _Ending(limit, "stop", tokens[eos_at])
+        return _Ending(limit, "length")
+
+    def _stop_string_ending(self, tokens: list[int], stops: tuple[str, ...]) -> _Ending:
+        """The shortest prefix whose text contains a stop string; the text is cut before it."""
+        for length in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode(tokens[:length], skip_special_tokens=True)
+            found = [(text.find(s), s) for s in stops if s in text]
+            if found:
+                cut, stop = min(found)
+                return _Ending(length, "stop", stop, text[:cut])
+        raise AssertionError("a stop string was found in the full text but in no prefix")
+
+    def _completion(self, index: int, tokens: list[int], params: SamplingParams) -> CompletionOutput:
+        ending = self._ending(tokens, params)
+        kept = tokens[: ending.length]
+        text = ending.text if ending.text is not None else self.tokenizer.decode(kept, skip_special_tokens=True)
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=kept,
+            finish_reason=ending.finish_reason,
+            stop_reason=ending.stop_reason,
+        )

@@ -1,0 +1,176 @@
+"""What every family adapter shares: checks and tokenisation through the model's own HF processor.
+
+Going through the checkpoint's processor (not a re-implementation) is what makes our token
+ids and pixel tensors identical to what `transformers` feeds the model, so the reference
+engine matches `generate()` exactly and the fast engine can be checked against it. Each
+family only declares its placeholders and how it passes videos.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.types import VideoFrames
+from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+
+# Processor outputs that are per token, not per image: engines rebuild them from the ids.
+_PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+
+def media_hash(media: Any) -> str:
+    """sha256 of an image's or video's pixels (with shape/mode), so equal content shares cache entries."""
+    digest = hashlib.sha256()
+    if isinstance(media, VideoFrames):
+        frames = media.frames
+        pixels = frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+        digest.update(f"video{pixels.shape}{media.sampled_fps}".encode())
+        digest.update(np.ascontiguousarray(pixels).tobytes())
+    else:
+        digest.update(f"image{media.mode}{media.size}".encode())
+        digest.update(media.tobytes())
+    return digest.hexdigest()
+
+
+class ProcessorAdapter(ModelAdapter):
+    """A `ModelAdapter` over an HF processor; subclasses set the placeholders below."""
+
+    image_placeholder: str  # what a raw prompt must contain once per image
+    video_placeholder: str | None = None
+    image_token: str  # the token the processor expands into the image's patches
+    video_token: str | None = None
+    extra_eos_tokens: tuple[str, ...] = ()  # turn terminators that also end generation
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        text_config = getattr(self.config, "text_config", self.config)
+        return int(text_config.max_position_embeddings)
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        from transformers import GenerationConfig
+
+        ids: list[int] = []
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's EOS is all we know
+            eos = None
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        vocab = self.tokenizer.get_vocab()
+        ids.extend(vocab[t] for t in self.extra_eos_tokens if t in vocab)
+        return sorted(set(ids))
+
+    @cached_property
+    def image_token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    @cached_property
+    def video_token_id(self) -> int | None:
+        return self.tokenizer.convert_tokens_to_ids(self.video_token) if self.video_token else None
+
+    def mm_token_type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token modality (0 text, 1 image, 2 video) as HF processors build it; Qwen's
+        M-RoPE needs it, and it is cheaper to rebuild from the ids than to carry per request."""
+        types = torch.zeros_like(input_ids)
+        types[input_ids == self.image_token_id] = 1
+        if self.video_token_id is not None:
+            types[input_ids == self.video_token_id] = 2
+        return types
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        from vlmbatch.engine.chat import parse_chat_messages
+
+        template_messages, _, _ = parse_chat_messages(messages)
+        if not getattr(self.processor, "chat_template", None):
+            raise RowError(
+                ErrorType.INVALID_ROW,
+                f"model {self.model_path} has no chat template: pass one (--chat-template) or send raw prompts",
+                param="messages",
+            )
+        return self.processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+
+    def _check_placeholders(self, prompt: str, token: str | None, placeholder: str | None, count: int, kind: str):
+        """Every media token must sit in its full placeholder, and there must be one per item."""
+        if token is None or placeholder is None:
+            return
+        wrapped = prompt.count(placeholder)
+        bare = prompt.count(token)
+        if bare != wrapped:
+            raise RowError(
+                ErrorType.PLACEHOLDER_MISMATCH,
+                f"each {token} must appear as {placeholder!r}; found {bare} {token} in {wrapped} placeholders",
+                param="prompt",
+            )
+        if wrapped != count:
+            raise RowError(
+                ErrorType.PLACEHOLDER_MISMATCH,
+                f"prompt has {wrapped} {kind} placeholder(s) ({placeholder!r}) but {count} {kind}(s) were given",
+                param="prompt",
+            )
+
+    def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
+        """Processor arguments (`videos=...` and metadata) for already-sampled frames; families
+        without video support keep this default."""
+        raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"{self.family} models do not accept videos", param="video")
+
+    def check(
+        self,
+        prompt: str,
+        images: list[Any] | None = None,
+        videos: list[VideoFrames] | None = None,
+        max_tokens: int = 0,
+    ) -> None:
+        """Raise the `RowError` that `prepare` would raise (dry runs). It runs the processor,
+        because the prompt's length depends on each image's token count."""
+        self.prepare(prompt, images, videos, max_tokens)
+
+    def prepare(
+        self,
+        prompt: str,
+        images: list[Any] | None = None,
+        videos: list[VideoFrames] | None = None,
+        max_tokens: int = 0,
+    ) -> PreparedPrompt:
+        images = list(images or [])
+        videos = list(videos or [])
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise RowError(ErrorType.PROMPT_EMPTY, "the prompt is empty", param="prompt")
+        video_kwargs = self._video_inputs(videos) if videos else {}
+        self._check_placeholders(prompt, self.image_token, self.image_placeholder, len(images), "image")
+        self._check_placeholders(prompt, self.video_token, self.video_placeholder, len(videos), "video")
+        try:
+            processed = self.processor(
+                text=[prompt], images=images or None, return_tensors="pt", **video_kwargs
+            )
+        except (ValueError, TypeError) as exc:  # e.g. an image below the minimum size or of odd shape
+            raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"the processor rejected the media: {exc}") from exc
+        token_ids: list[int] = processed["input_ids"][0].tolist()
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise RowError(
+                ErrorType.PROMPT_TOO_LONG,
+                f"prompt is {len(token_ids)} tokens (media included) + max_tokens {max_tokens} > "
+                f"max_model_len {self.max_model_len}",
+                param="prompt",
+            )
+        mm_inputs = {
+            key: value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+            for key, value in processed.items()
+            if key not in _PER_TOKEN_KEYS
+        }
+        return PreparedPrompt(
+            prompt_token_ids=token_ids,
+            mm_inputs=mm_inputs,
+            prompt=prompt,
+            mm_hashes=[media_hash(m) for m in [*images, *videos]],
+        )
