@@ -1,0 +1,85 @@
+"""Video loading: resolve the reference, index the stream, sample, decode, shrink.
+
+`load_video(ref, options, ctx)` is the whole public surface; backends are picked
+by `options.backend` (see `options.BACKENDS`) and imported only when used, so
+missing optional decoders cost nothing until asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.types import VideoFrames
+from vlmbatch.media.video.base import VideoBackend
+from vlmbatch.media.video.options import VideoOptions, default_video_options, override_video_options, parse_video_options
+from vlmbatch.media.video.resize import resize_frames
+from vlmbatch.media.video.sampling import QWEN2_5_VL, FrameConvention, plan_frames
+from vlmbatch.media.video.source import VideoContext, VideoSource, resolve_video_source
+
+__all__ = [
+    "FrameConvention",
+    "QWEN2_5_VL",
+    "VideoContext",
+    "VideoOptions",
+    "VideoSource",
+    "default_video_options",
+    "get_backend",
+    "load_video",
+    "override_video_options",
+    "parse_video_options",
+]
+
+_BACKEND_CLASSES = {
+    "opencv": ("vlmbatch.media.video.opencv_backend", "OpenCVBackend"),
+    "pyav": ("vlmbatch.media.video.pyav_backend", "PyAVBackend"),
+    "torchcodec": ("vlmbatch.media.video.torchcodec_backend", "TorchCodecBackend"),
+    "pynvvideocodec": ("vlmbatch.media.video.pynvvideocodec_backend", "PyNvVideoCodecBackend"),
+    "deepstream": ("vlmbatch.media.video.deepstream_backend", "DeepStreamBackend"),
+}
+_instances: dict[str, VideoBackend] = {}
+
+
+def get_backend(name: str) -> VideoBackend:
+    """The process's one instance of backend `name` (GPU backends hold decoder pools)."""
+    if name not in _instances:
+        module_name, class_name = _BACKEND_CLASSES[name]
+        _instances[name] = getattr(importlib.import_module(module_name), class_name)()
+    return _instances[name]
+
+
+def load_video(
+    ref: Any,
+    options: VideoOptions | None = None,
+    ctx: VideoContext | None = None,
+    convention: FrameConvention = QWEN2_5_VL,
+) -> VideoFrames:
+    """Decode the frames the sampler picks from the video `ref` points to.
+
+    Raises `RowError`: MEDIA_NOT_FOUND / MEDIA_FORBIDDEN for bad paths, fetch
+    errors for URLs, MEDIA_DECODE for files with no decodable video stream.
+    """
+    options = options or default_video_options()
+    source = resolve_video_source(ref, ctx)
+    backend = get_backend(options.backend)
+    index = backend.probe(source)
+    plan = plan_frames(index.timestamps, options, convention)
+    wanted = sorted(set(plan.indices))
+    try:
+        decoded = backend.decode(source, index, wanted, options)
+    except RowError:
+        raise
+    except Exception as exc:  # a decoder library failing on one file must not end the job
+        raise RowError(ErrorType.MEDIA_DECODE, f"{backend.name} failed on video {source.name}: {exc}") from exc
+    frames = backend.stack([decoded[i] for i in plan.indices])
+    frames = resize_frames(frames, options.max_pixels, options.max_side)
+    return VideoFrames(
+        frames=frames,
+        timestamps=plan.timestamps,
+        sampled_fps=plan.sampled_fps,
+        source_fps=index.source_fps(),
+        duration=plan.duration,
+        frame_indices=plan.indices,
+        backend=backend.name,
+    )

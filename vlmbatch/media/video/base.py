@@ -1,0 +1,76 @@
+"""The interface every decoding backend implements, and the frame walk they share.
+
+A backend gets the stream index and the sorted, distinct frame indices the
+sampler chose, and returns those frames as RGB uint8 (H, W, 3) with the file's
+display rotation applied. It never chooses frames itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar
+
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.video.options import VideoOptions
+from vlmbatch.media.video.probe import StreamIndex, probe_stream
+from vlmbatch.media.video.source import VideoSource
+
+
+class VideoBackend(ABC):
+    name: ClassVar[str]
+
+    def probe(self, source: VideoSource) -> StreamIndex:
+        return probe_stream(source)
+
+    @abstractmethod
+    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+        """Frames for each of `wanted` (sorted, distinct indices into `index`), keyed by index."""
+
+    def stack(self, frames: list[Any]) -> Any:
+        """(T, H, W, 3) from per-frame arrays; GPU backends override to stay on the device."""
+        import numpy as np
+
+        return np.stack(frames)
+
+
+def walk_frames(
+    wanted: Sequence[int],
+    index: StreamIndex,
+    seek: Callable[[int], Iterable[tuple[int, Callable[[], Any]]]],
+) -> dict[int, Any]:
+    """Collect `wanted` frames by decoding forward and seeking only past whole GOPs.
+
+    `seek(keyframe)` starts (or restarts) decoding at that keyframe and yields
+    `(frame index, fetch)` in presentation order; `fetch()` converts the frame
+    to RGB (None if it cannot), so only wanted frames pay for conversion. A
+    target that decoding skipped or could not convert (damaged data) takes the
+    next good frame; targets past the end take the last one. No frame is
+    decoded twice unless a seek lands early.
+    """
+    frames: dict[int, Any] = {}
+    iterator: Iterator[tuple[int, Callable[[], Any]]] | None = None
+    position, current = -1, None  # index and pixels of the last frame fetched
+    for target in wanted:
+        if position >= target and current is not None:  # decoding skipped over this target
+            frames[target] = current
+            continue
+        keyframe = index.keyframe_before(target)
+        if iterator is None or keyframe > position + 1:
+            iterator = iter(seek(keyframe))
+        current = None
+        for position, fetch in iterator:
+            if position >= target and (current := fetch()) is not None:  # None: undecodable, try the next
+                break
+        if current is None:
+            break  # end of stream
+        frames[target] = current
+    return fill_missing(frames, wanted)
+
+
+def fill_missing(frames: dict[int, Any], wanted: Sequence[int]) -> dict[int, Any]:
+    """Give targets beyond the last decodable frame that frame; none at all is a row error."""
+    if not frames:
+        raise RowError(ErrorType.MEDIA_DECODE, "no frame of the video could be decoded")
+    last = frames[max(frames)]
+    return {target: frames.get(target, last) for target in wanted}

@@ -1,0 +1,100 @@
+"""OpenCV (its bundled FFmpeg): the default backend, a grab loop with keyframe seeks.
+
+Traps avoided: `CAP_PROP_POS_FRAMES` counts frames as `pts * average fps`, so a
+seek on a variable-frame-rate file lands on the wrong frame, and every `set()`
+re-decodes from the keyframe. So frames are found by grabbing forward and
+reading each frame's real timestamp; `set()` is only used to jump over whole
+GOPs, and where it lands is checked. OpenCV reads bytes through the `BytesIO`
+it was given without holding a reference: the capture keeps it alive here.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.video.base import VideoBackend, walk_frames
+from vlmbatch.media.video.options import VideoOptions
+from vlmbatch.media.video.probe import StreamIndex
+from vlmbatch.media.video.sampling import nearest_frame
+from vlmbatch.media.video.source import VideoSource
+
+
+@contextmanager
+def open_capture(source: VideoSource) -> Iterator[Any]:
+    """A `cv2.VideoCapture` on a path or on bytes, released on exit."""
+    import cv2
+
+    buffer = io.BytesIO(source.data) if source.data is not None else None
+    capture = cv2.VideoCapture(source.path if buffer is None else buffer, cv2.CAP_FFMPEG, [])
+    try:
+        if not capture.isOpened():
+            raise RowError(ErrorType.MEDIA_DECODE, f"cannot open video {source.name} (no video stream or not a video)")
+        yield capture
+    finally:
+        capture.release()
+        del buffer  # only now may the bytes the capture reads be freed
+
+
+_MAX_GRAB_FAILURES = 8
+
+
+class OpenCVBackend(VideoBackend):
+    name = "opencv"
+
+    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+        import cv2
+
+        with open_capture(source) as capture:
+            fps = capture.get(cv2.CAP_PROP_FPS) or index.source_fps()
+
+            def position() -> int:
+                return nearest_frame(index.timestamps, capture.get(cv2.CAP_PROP_POS_MSEC) / 1000.0)
+
+            def fetch() -> Any:
+                ok, bgr = capture.retrieve()  # fails on a packet the decoder rejected
+                return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB) if ok else None
+
+            def frames_from(keyframe: int) -> Iterator[tuple[int, Any]]:
+                if keyframe > 0:
+                    landed = _seek_at_or_before(capture, keyframe, index, fps, position)
+                    if landed is None:
+                        return
+                    yield landed, fetch
+                yield from _grab_loop(capture, index, position, fetch)
+
+            return walk_frames(wanted, index, frames_from)
+
+
+def _grab_loop(capture: Any, index: StreamIndex, position: Any, fetch: Any) -> Iterator[tuple[int, Any]]:
+    """Grab forward to the end. A damaged packet makes one `grab()` fail
+    mid-stream while the next succeeds, so only repeated failures mean the end."""
+    failures, current = 0, -1
+    while failures < _MAX_GRAB_FAILURES and current < index.num_frames - 1:
+        if capture.grab():
+            failures, current = 0, position()
+            yield current, fetch
+        else:
+            failures += 1
+
+
+def _seek_at_or_before(capture: Any, keyframe: int, index: StreamIndex, fps: float, position: Any) -> int | None:
+    """Seek so that the grabbed frame is at or before `keyframe`; its index, None at EOF.
+
+    OpenCV's frame number is `pts * fps`, wrong on VFR files, so the landing is
+    read back and the seek retried about a second earlier until it is not past.
+    """
+    import cv2
+
+    frame_number = int(index.timestamps[keyframe] * fps)
+    while True:
+        capture.set(cv2.CAP_PROP_POS_FRAMES, frame_number)
+        if not capture.grab():
+            return None
+        landed = position()
+        if landed <= keyframe or frame_number == 0:
+            return landed
+        frame_number = max(0, frame_number - max(1, int(fps)))

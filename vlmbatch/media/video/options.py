@@ -1,0 +1,134 @@
+"""`media_io_kwargs["video"]`: parsing and validation of the video options.
+
+Options arrive twice: once from flags (`--media-io-kwargs` on submit/worker/serve,
+a job-level mistake: `ValueError` at start-up) and then per row or request as an
+override (a row-level mistake: `RowError(INVALID_ROW)`, the job goes on). Both
+go through `parse_video_options` so the rules live in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from vlmbatch import config
+from vlmbatch.errors import ErrorType, RowError
+
+BACKENDS = ("opencv", "pyav", "torchcodec", "pynvvideocodec", "deepstream")
+
+# Options that only make sense for one backend; naming them with another
+# backend is an error rather than silently ignored.
+BACKEND_OPTIONS = {
+    "num_ffmpeg_threads": "torchcodec",
+    "seek_mode": "torchcodec",
+    "hw_decoders": "pynvvideocodec",
+    "pool_size": "deepstream",
+}
+SEEK_MODES = ("exact", "approximate")
+POOL_SIZE_RANGE = (1, 16)
+
+
+def _default_pool_size() -> int:
+    return clamp_pool_size(config.media_loading_thread_count())
+
+
+def clamp_pool_size(value: int) -> int:
+    low, high = POOL_SIZE_RANGE
+    return max(low, min(high, value))
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """Which decoder to use and which frames to take from each video.
+
+    `num_frames` and `fps` exclude each other: a request that sets one drops the
+    other's default. With neither, the model family's convention decides (see
+    `sampling.FrameConvention`). `max_frames` and `max_duration` cap both modes;
+    `max_pixels` / `max_side` shrink frames after decoding, the same for every backend.
+    """
+
+    backend: str = "opencv"
+    num_frames: int | None = None
+    fps: float | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    max_duration: float | None = None
+    max_pixels: int | None = None
+    max_side: int | None = None
+    num_ffmpeg_threads: int = 0
+    seek_mode: str = "exact"
+    hw_decoders: int = 2
+    pool_size: int = 8
+
+
+_KNOWN = {f.name for f in fields(VideoOptions)}
+
+
+def default_video_options() -> VideoOptions:
+    """Defaults with the environment applied (`VLMBATCH_VIDEO_LOADER_BACKEND`, thread count)."""
+    return VideoOptions(backend=config.video_loader_backend(), pool_size=_default_pool_size())
+
+
+def parse_video_options(video_kwargs: Mapping[str, Any] | None, base: VideoOptions | None = None) -> VideoOptions:
+    """Apply `video_kwargs` (the `"video"` entry of media_io_kwargs) on top of `base`.
+
+    Raises `ValueError` naming the offending option (and, for a backend option,
+    the backend it belongs to and the one in use).
+    """
+    base = base or default_video_options()
+    if not video_kwargs:
+        return base
+    if not isinstance(video_kwargs, Mapping):
+        raise ValueError(f"media_io_kwargs 'video' must be an object, got {type(video_kwargs).__name__}")
+    unknown = sorted(set(video_kwargs) - _KNOWN)
+    if unknown:
+        raise ValueError(f"unknown video option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(_KNOWN))}")
+    backend = video_kwargs.get("backend", base.backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"video option 'backend': {backend!r} is not one of {', '.join(BACKENDS)}")
+    for name in video_kwargs:
+        owner = BACKEND_OPTIONS.get(name)
+        if owner is not None and owner != backend:
+            raise ValueError(f"video option {name!r} belongs to backend {owner!r}, not to {backend!r}")
+    values = {name: _checked(name, value) for name, value in video_kwargs.items()}
+    if "num_frames" in values and "fps" not in values:
+        values["fps"] = None
+    if "fps" in values and "num_frames" not in values:
+        values["num_frames"] = None
+    if values.get("num_frames") is not None and values.get("fps") is not None:
+        raise ValueError("video options 'num_frames' and 'fps' exclude each other; give one")
+    if "pool_size" in values:
+        values["pool_size"] = clamp_pool_size(values["pool_size"])
+    return replace(base, **values)
+
+
+def override_video_options(base: VideoOptions, video_kwargs: Mapping[str, Any] | None, param: str = "media_io_kwargs") -> VideoOptions:
+    """A row's or request's override: the same rules, reported as that row's error."""
+    try:
+        return parse_video_options(video_kwargs, base)
+    except ValueError as exc:
+        raise RowError(ErrorType.INVALID_ROW, str(exc), param) from exc
+
+
+def _checked(name: str, value: Any) -> Any:
+    """Type and range of one option value; `None` clears the optional ones."""
+    if name == "backend":
+        return value
+    if name == "seek_mode":
+        if value not in SEEK_MODES:
+            raise ValueError(f"video option 'seek_mode' (torchcodec) must be one of {', '.join(SEEK_MODES)}, got {value!r}")
+        return value
+    optional = name in {"num_frames", "fps", "min_frames", "max_frames", "max_duration", "max_pixels", "max_side"}
+    if value is None and optional:
+        return None
+    if name in {"fps", "max_duration"}:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"video option {name!r} must be a positive number, got {value!r}")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"video option {name!r} must be an integer, got {value!r}")
+    minimum = 0 if name == "num_ffmpeg_threads" else 1
+    if value < minimum and name != "pool_size":  # pool_size is clamped, not refused
+        raise ValueError(f"video option {name!r} must be >= {minimum}, got {value!r}")
+    return value

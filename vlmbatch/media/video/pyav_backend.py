@@ -1,0 +1,66 @@
+"""PyAV: FFmpeg through its Python bindings, seeking by keyframe timestamps.
+
+PyAV does not apply the display-matrix rotation (`frame.rotation` reports it),
+so frames are rotated here, the way OpenCV and torchcodec show them.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.video.base import VideoBackend, walk_frames
+from vlmbatch.media.video.options import VideoOptions
+from vlmbatch.media.video.probe import StreamIndex
+from vlmbatch.media.video.sampling import nearest_frame
+from vlmbatch.media.video.source import VideoSource
+
+
+def rotate_to_display(frame: np.ndarray, rotation: int) -> np.ndarray:
+    """Apply a display rotation given in FFmpeg's degrees (counter-clockwise)."""
+    turns = (rotation // 90) % 4
+    return np.ascontiguousarray(np.rot90(frame, turns)) if turns else frame
+
+
+class PyAVBackend(VideoBackend):
+    name = "pyav"
+
+    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+        import av
+
+        try:
+            container = av.open(source.path if source.path is not None else io.BytesIO(source.data))
+        except av.FFmpegError as exc:
+            raise RowError(ErrorType.MEDIA_DECODE, f"cannot open video {source.name}: {exc}") from exc
+        with container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            start = stream.start_time or 0
+            time_base = stream.time_base
+
+            def frames_from(keyframe: int) -> Iterator[tuple[int, Any]]:
+                if keyframe > 0:
+                    target = start + int(round(index.timestamps[keyframe] / time_base))
+                    container.seek(target, stream=stream, backward=True)
+                for frame in _decoded(container, stream):
+                    if frame.pts is None:
+                        continue
+                    position = nearest_frame(index.timestamps, float((frame.pts - start) * time_base))
+                    yield position, lambda frame=frame: rotate_to_display(frame.to_ndarray(format="rgb24"), frame.rotation)
+
+            return walk_frames(wanted, index, frames_from)
+
+
+def _decoded(container: Any, stream: Any) -> Iterator[Any]:
+    """Decoded frames, skipping packets the decoder rejects (damaged data)."""
+    import av
+
+    for packet in container.demux(stream):
+        try:
+            yield from packet.decode()
+        except av.InvalidDataError:
+            continue
