@@ -61,3 +61,11 @@ def queue_poison_crashes() -> int:
     """Crashes of the same row range after which a shard is split to isolate a poison row
     (`VLMBATCH_QUEUE_POISON_CRASHES`)."""
     return env_int("VLMBATCH_QUEUE_POISON_CRASHES", 3)
+
+
+def preprocess_workers() -> int | None:
+    """Processes that prepare rows (media decoding, the model's processor) for the engine
+    (`VLMBATCH_PREPROCESS_WORKERS`); 0 prepares them in the engine's thread, unset (None)
+    sizes the pool from the usable cores."""
+    value = env_str("VLMBATCH_PREPROCESS_WORKERS", None)
+    return int(value) if value is not None else None

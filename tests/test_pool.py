@@ -1,0 +1,147 @@
+"""The preprocessing process pool: out-of-order delivery, back-pressure, crash recovery, shutdown.
+
+The workers are real processes (fork server), the crashes real `os._exit`s; the handlers
+below stand in for `prepare_row` so that each property is tested in isolation and fast.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from vlmbatch.errors import ErrorType
+from vlmbatch.job.pool import PoolStartError, ProcessPool, Task, default_num_workers
+
+
+def _echo_setup(slow_every: int) -> Callable[[Task], Any]:
+    """Rows whose id is a multiple of `slow_every` take 0.3 s, the others are instant."""
+
+    def handle(task: Task) -> tuple[int, Any, int]:
+        row_id, payload = task
+        if row_id % slow_every == 0:
+            time.sleep(0.3)
+        return row_id, payload, os.getpid()
+
+    return handle
+
+
+def _size_setup(_: None) -> Callable[[Task], Any]:
+    """Returns only the payload's size, so the parent holds nothing of what it sent."""
+    return lambda task: (task[0], len(task[1]))
+
+
+def _crashing_setup(_: None) -> Callable[[Task], Any]:
+    """Dies like a segfaulting decoder on a "crash" row, raises on a "raise" row."""
+
+    def handle(task: Task) -> tuple[int, Any, int]:
+        row_id, payload = task
+        if payload == "crash":
+            os._exit(11)
+        if payload == "raise":
+            raise ValueError("bad row")
+        return row_id, payload, os.getpid()
+
+    return handle
+
+
+def _failing_setup(_: None) -> Callable[[Task], Any]:
+    raise OSError("model folder vanished")
+
+
+def _failure(task: Task, error_type: str, message: str) -> tuple[int, str, str]:
+    return task[0], error_type, message
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_out_of_order_completion_keeps_every_result_with_its_row() -> None:
+    rows = [(row_id, f"payload-{row_id}") for row_id in range(24)]
+    with ProcessPool(_echo_setup, 6, _failure, num_workers=2, max_pending=8) as pool:
+        results = list(pool.imap_unordered(rows))
+    order = [row_id for row_id, _, _ in results]
+    assert sorted(order) == list(range(24))
+    assert order != sorted(order)  # slow rows were overtaken
+    assert all(payload == f"payload-{row_id}" for row_id, payload, _ in results)
+    assert len({pid for _, _, pid in results}) == 2  # both workers took rows
+
+
+def test_source_is_only_read_when_there_is_room() -> None:
+    pulled = 0
+    payload = b"x" * 1_000_000  # a 1 MB row: 400 of them kept anywhere would show in RSS
+
+    def endless() -> Iterator[Task]:
+        nonlocal pulled
+        for row_id in itertools.count():
+            pulled += 1
+            yield row_id, bytes(payload)
+
+    with ProcessPool(_size_setup, None, _failure, num_workers=2, max_pending=6) as pool:
+        results = pool.imap_unordered(endless())
+        rss_after_warmup = 0
+        for consumed, (_, size) in enumerate(results, start=1):
+            assert size == len(payload)
+            assert pulled - consumed <= 6  # never more than max_pending rows ahead
+            assert pool.in_flight <= 4  # two per worker
+            time.sleep(0.002)  # a consumer slower than the source
+            if consumed == 50:
+                rss_after_warmup = _rss_bytes()
+            if consumed == 400:
+                break
+        results.close()
+    assert _rss_bytes() - rss_after_warmup < 50_000_000
+
+
+def test_a_worker_crash_fails_only_its_row_and_the_pool_recovers() -> None:
+    rows = [(row_id, "crash" if row_id == 3 else "raise" if row_id == 5 else "ok") for row_id in range(12)]
+    with ProcessPool(_crashing_setup, None, _failure, num_workers=2, max_pending=8) as pool:
+        results = {result[0]: result for result in pool.imap_unordered(rows)}
+        restarts = pool.restarts
+    assert sorted(results) == list(range(12))
+    assert results[3][1] == ErrorType.WORKER_CRASH and "exit code 11" in results[3][2]
+    assert results[5][1:] == (ErrorType.ENGINE, "ValueError: bad row")
+    assert all(results[row_id][1] == "ok" for row_id in range(12) if row_id not in (3, 5))
+    assert restarts == 1  # the exception did not cost a worker, the crash cost one
+
+
+def test_a_setup_failure_stops_the_pool_with_the_reason() -> None:
+    with pytest.raises(PoolStartError, match="model folder vanished"):
+        with ProcessPool(_failing_setup, None, _failure, num_workers=1) as pool:
+            list(pool.imap_unordered([(0, "ok")]))
+
+
+def _pool_results(rows: list[Task]) -> Iterator[tuple[int, Any, int]]:
+    with ProcessPool(_echo_setup, 1, _failure, num_workers=2, max_pending=4) as pool:
+        yield from pool.imap_unordered(rows)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_dropping_the_iterator_stops_the_workers() -> None:
+    results = _pool_results([(row_id, None) for row_id in range(1, 100)])  # every row slow
+    pids = {next(results)[2], next(results)[2], next(results)[2]}
+    assert all(_alive(pid) for pid in pids)
+    del results
+    gc.collect()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_worker_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "0")
+    assert default_num_workers() == 0
+    monkeypatch.delenv("VLMBATCH_PREPROCESS_WORKERS")
+    assert default_num_workers() == max(1, len(os.sched_getaffinity(0)) - 1)

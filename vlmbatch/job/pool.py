@@ -1,0 +1,323 @@
+"""Row preparation in worker processes, so image decoding never starves the engine.
+
+Decoding, resizing and normalising media is CPU work that holds the GIL, so one Python
+thread caps a job at a few hundred images/s while the GPU waits. Here each worker process
+builds the model's adapter once and prepares rows (`prepare_row`) as they come; rows are
+delivered as soon as they are ready, out of order (results are attributed by `row_id`).
+
+Three promises, each covered by tests/test_pool.py:
+- bounded memory: at most `max_pending` rows are between the source and the consumer, and
+  the source iterator is only advanced when there is room (a slow consumer slows reading);
+- a worker that dies (decoder segfault, `os._exit`, OOM kill) fails only the row it was
+  working on, as `ErrorType.WORKER_CRASH`; rows queued behind it go to other workers and
+  the dead worker is replaced;
+- closing the iterator (cancel, early `break`, garbage collection) stops the workers.
+
+Each worker has its own task queue (at most `_TASKS_PER_WORKER` rows deep) and its own
+result pipe, which is what lets the parent know exactly which row a dead worker held; a
+shared queue (`concurrent.futures.ProcessPoolExecutor`) loses that and breaks the whole pool
+on one crash. Results travel as plain pickles, not torch shared memory: container
+`/dev/shm` is often 64 MiB and a few hundred rows of pixel tensors would overflow it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+from vlmbatch import config
+from vlmbatch.errors import ErrorType, RowError
+
+if TYPE_CHECKING:
+    from vlmbatch.engine.sampling_params import SamplingParams
+    from vlmbatch.job.prepare import PreparedRow
+    from vlmbatch.models.base import ModelAdapter
+
+# One row being prepared plus one waiting, so a worker never idles between rows while a
+# slow row (a long video) holds back at most one other row.
+_TASKS_PER_WORKER = 2
+# Modules the fork server imports once, so each (re)started worker skips their import time.
+_PRELOAD = ["torch", "transformers", "PIL.Image", "vlmbatch.job.pool"]
+
+Task = tuple[int, Any]  # (row_id, payload)
+Setup = Callable[[Any], Callable[[Task], Any]]  # setup(arg) -> handle(task) -> result
+Failure = Callable[[Task, str, str], Any]  # on_failure(task, error_type, message) -> result
+
+
+class PoolStartError(RuntimeError):
+    """A worker failed before handling any row (its setup raised or it died): a job problem."""
+
+
+def default_num_workers() -> int:
+    """`VLMBATCH_PREPROCESS_WORKERS`, else the usable cores minus one left for the engine."""
+    configured = config.preprocess_workers()
+    if configured is not None:
+        return configured
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection) -> None:
+    """Build the handler once, then answer tasks until the `None` sentinel."""
+    import torch
+
+    torch.set_num_threads(1)  # the pool is the parallelism; per-op threads would oversubscribe
+    try:
+        handle = setup(setup_arg)
+    except BaseException:  # noqa: BLE001 - any setup failure must reach the parent, not vanish
+        results.send_bytes(pickle.dumps(("setup_error", traceback.format_exc())))
+        return
+    results.send_bytes(pickle.dumps(("ready", None)))
+    while (task := tasks.get()) is not None:
+        try:
+            message = ("result", handle(task))
+        except Exception as exc:  # noqa: BLE001 - a bug on one row must not take the others down
+            message = ("task_error", f"{type(exc).__name__}: {exc}")
+        results.send_bytes(pickle.dumps(message))
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: Any
+    tasks: Any
+    results: Connection
+    held: deque[Task] = field(default_factory=deque)  # sent, not answered; held[0] is running
+    ready: bool = False
+
+
+class ProcessPool:
+    """Worker processes that each run `handle = setup(setup_arg)` once, then `handle(task)`.
+
+    `imap_unordered` yields results as they finish; a task whose worker died or raised
+    becomes `on_failure(task, error_type, message)` instead.
+    """
+
+    def __init__(
+        self,
+        setup: Setup,
+        setup_arg: Any,
+        on_failure: Failure,
+        num_workers: int,
+        max_pending: int | None = None,
+        start_method: str = "forkserver",
+    ):
+        if num_workers < 1:
+            raise ValueError("a process pool needs at least one worker")
+        self.setup = setup
+        self.setup_arg = setup_arg
+        self.on_failure = on_failure
+        self.num_workers = num_workers
+        self.max_pending = max(1, max_pending or 4 * num_workers)
+        self.context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            self.context.set_forkserver_preload(_PRELOAD)
+        self.workers: list[_Worker] = []
+        self.restarts = 0
+
+    def __enter__(self) -> ProcessPool:
+        self.workers = [self._start_worker() for _ in range(self.num_workers)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_worker(self) -> _Worker:
+        receive, send = self.context.Pipe(duplex=False)
+        # A Queue, not a SimpleQueue: its feeder thread writes large rows without blocking us,
+        # which could deadlock against a worker blocked on sending us a large result.
+        tasks = self.context.Queue()
+        process = self.context.Process(
+            target=_worker_main, args=(self.setup, self.setup_arg, tasks, send), daemon=True, name="vlmbatch-prep"
+        )
+        process.start()
+        send.close()  # our copy: the pipe must report EOF once the worker is gone
+        return _Worker(process, tasks, receive)
+
+    def close(self) -> None:
+        """Stop every worker; rows they still hold are dropped (the consumer stopped)."""
+        for worker in self.workers:
+            if worker.held:
+                worker.process.kill()  # busy with rows nobody wants any more
+            else:
+                worker.tasks.put(None)
+        for worker in self.workers:
+            worker.process.join(timeout=2.0)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            self._release(worker)
+        self.workers = []
+
+    @staticmethod
+    def _release(worker: _Worker) -> None:
+        worker.results.close()
+        worker.tasks.cancel_join_thread()  # rows still buffered for a dead worker are dropped
+        worker.tasks.close()
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks handed to workers and not yet answered."""
+        return sum(len(w.held) for w in self.workers)
+
+    def imap_unordered(self, tasks: Iterable[Task]) -> Iterator[Any]:
+        """Results of `tasks` in completion order, with at most `max_pending` tasks read
+        from `tasks` and not yet yielded."""
+        source = iter(tasks)
+        waiting: deque[Task] = deque()  # read from the source, not yet given to a worker
+        pending = 0  # read from the source, not yet yielded
+        exhausted = False
+        while True:
+            while not exhausted and pending < self.max_pending:
+                try:
+                    waiting.append(next(source))
+                except StopIteration:
+                    exhausted = True
+                else:
+                    pending += 1
+            self._dispatch(waiting)
+            if pending == 0:
+                return
+            for result in self._collect(waiting):
+                pending -= 1
+                yield result
+
+    def _dispatch(self, waiting: deque[Task]) -> None:
+        """Hand waiting tasks to the least busy workers, up to `_TASKS_PER_WORKER` each."""
+        while waiting:
+            worker = min(self.workers, key=lambda w: len(w.held))
+            if len(worker.held) >= _TASKS_PER_WORKER:
+                return
+            task = waiting.popleft()
+            worker.held.append(task)
+            worker.tasks.put(task)
+
+    def _collect(self, waiting: deque[Task]) -> list[Any]:
+        """Block until some worker answers or dies; return the results that came in."""
+        by_handle: dict[Any, _Worker] = {}
+        for worker in self.workers:
+            by_handle[worker.results] = worker
+            by_handle[worker.process.sentinel] = worker
+        results: list[Any] = []
+        for handle in wait(list(by_handle)):
+            worker = by_handle[handle]
+            if worker not in self.workers:
+                continue  # already replaced through its other handle
+            results.extend(self._drain(worker))
+            if handle == worker.process.sentinel:
+                results.extend(self._replace_dead(worker, waiting))
+        return results
+
+    def _drain(self, worker: _Worker) -> list[Any]:
+        """Everything the worker has sent so far (also after it died: the pipe keeps it)."""
+        results = []
+        while worker.results.poll():
+            try:
+                kind, value = pickle.loads(worker.results.recv_bytes())
+            except EOFError:
+                break
+            if kind == "setup_error":
+                raise PoolStartError(f"a preprocessing worker failed to start:\n{value}")
+            if kind == "ready":
+                worker.ready = True
+            elif kind == "result":
+                worker.held.popleft()
+                results.append(value)
+            else:
+                results.append(self.on_failure(worker.held.popleft(), ErrorType.ENGINE, value))
+        return results
+
+    def _replace_dead(self, worker: _Worker, waiting: deque[Task]) -> list[Any]:
+        """Fail the row the dead worker was running, requeue the rest, start a new worker."""
+        worker.process.join()
+        if not worker.ready:
+            raise PoolStartError(f"a preprocessing worker died during start-up (exit code {worker.process.exitcode})")
+        results = []
+        if worker.held:
+            message = f"the preprocessing worker died on this row (exit code {worker.process.exitcode})"
+            results.append(self.on_failure(worker.held.popleft(), ErrorType.WORKER_CRASH, message))
+            waiting.extendleft(reversed(worker.held))
+        self._release(worker)
+        self.workers[self.workers.index(worker)] = self._start_worker()
+        self.restarts += 1
+        return results
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a worker process needs to build its own copy of the job's model adapter."""
+
+    model: str
+    chat_template: str | None = None
+    trust_remote_code: bool = False
+
+    def load(self) -> ModelAdapter:
+        from vlmbatch.models.registry import load_adapter
+
+        return load_adapter(self.model, self.chat_template, self.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class RowPreparation:
+    """Everything `prepare_row` needs besides the row; pickled once into each worker."""
+
+    adapter_spec: AdapterSpec | None
+    dataset: str
+    media_io_kwargs: dict[str, Any]
+    columns: Any
+    defaults: SamplingParams
+
+
+def _row_preparer(preparation: RowPreparation) -> Callable[[Task], PreparedRow]:
+    """Worker setup: one adapter and one media loader for the worker's lifetime."""
+    from vlmbatch.job.prepare import media_loader_for, prepare_row
+
+    adapter = preparation.adapter_spec.load() if preparation.adapter_spec is not None else None
+    media = media_loader_for(preparation.dataset, preparation.media_io_kwargs)
+
+    def prepare(task: Task) -> PreparedRow:
+        row_id, raw = task
+        return prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media)
+
+    return prepare
+
+
+def _failed_row(task: Task, error_type: str, message: str) -> PreparedRow:
+    from vlmbatch.job.prepare import PreparedRow
+
+    row_id, raw = task
+    return PreparedRow(row_id=row_id, raw=raw, error=RowError(error_type, message))
+
+
+def prepare_rows_parallel(
+    source: Iterable[tuple[int, Any]],
+    manifest: Any,
+    adapter_spec: AdapterSpec | None,
+    defaults: SamplingParams,
+    num_workers: int | None = None,
+    max_pending: int | None = None,
+    adapter: ModelAdapter | None = None,
+) -> Iterator[PreparedRow]:
+    """`prepare_rows` over a pool of worker processes; rows come out in completion order.
+
+    `num_workers` defaults to `default_num_workers()`; 0 prepares in this thread (in order)
+    with `adapter` (the caller's loaded one) or, failing that, one loaded from `adapter_spec`.
+    `max_pending` bounds the rows read from `source` and not yet yielded (default 4 per worker).
+    """
+    from vlmbatch.job.prepare import prepare_rows
+
+    workers = default_num_workers() if num_workers is None else num_workers
+    if workers == 0:
+        if adapter is None and adapter_spec is not None:
+            adapter = adapter_spec.load()
+        yield from prepare_rows(source, manifest, adapter, defaults)
+        return
+    preparation = RowPreparation(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {},
+                                 manifest.columns, defaults)
+    with ProcessPool(_row_preparer, preparation, _failed_row, workers, max_pending) as pool:
+        yield from pool.imap_unordered(source)
