@@ -1,6 +1,6 @@
-"""Random paged-KV inputs laid out as the engine lays them out, for tests and benchmarks.
+"""What the kernel tests and the GPU benchmark share: where kernels can run, tolerances, inputs.
 
-Blocks are handed out in a shuffled order so that every sequence's pages are scattered
+Random paged-KV inputs are laid out as the engine lays them out: blocks are handed out in a shuffled order so that every sequence's pages are scattered
 through the cache (as after a long-running engine's frees), unused table entries are -1,
 and a few spare blocks hold garbage that a correct kernel never reads.
 """
@@ -10,9 +10,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from .kv_cache_write import _store_kvcache_kernel
 
 SPARE_BLOCKS = 3
 GARBAGE = 1.0e4
+
+# (atol, rtol) of a kernel against its float32-accumulating reference. Interpreted fp32 is
+# exact up to summation order; fp16/bf16 lose a few ulps where P is rounded before P @ V.
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+
+
+@dataclass(frozen=True)
+class KernelTarget:
+    """Where this process can run the kernels, and in which dtypes they can be checked there."""
+
+    device: str
+    dtypes: tuple[torch.dtype, ...]
+
+
+def kernel_target() -> KernelTarget | None:
+    """The Triton interpreter on the CPU (fp32/fp16: its bf16 `tl.dot` is wrong), else a CUDA GPU, else None.
+
+    The interpreter is chosen when `@triton.jit` runs, i.e. when this package is imported
+    with TRITON_INTERPRET=1 set, so ask the kernels themselves rather than the environment.
+    """
+    if isinstance(_store_kvcache_kernel, InterpretedFunction):
+        return KernelTarget("cpu", (torch.float32, torch.float16))
+    if torch.cuda.is_available():
+        return KernelTarget("cuda", (torch.float16, torch.bfloat16))
+    return None
 
 
 @dataclass

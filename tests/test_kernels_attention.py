@@ -1,0 +1,132 @@
+"""Paged decode and prefill attention kernels against their pure-torch references.
+
+Runs wherever the kernels can: under TRITON_INTERPRET=1 on the CPU (launched by
+test_kernels_interpreter.py when the suite runs without it) or on a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmbatch.kernels import (
+    DecodeConfig,
+    PrefillConfig,
+    choose_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
+from vlmbatch.kernels.testing import TOLERANCE, kernel_target, make_paged_kv
+
+TARGET = kernel_target()
+needs_kernels = pytest.mark.skipif(
+    TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_interpreter.py runs it so)"
+)
+DTYPES = TARGET.dtypes if TARGET else ()
+SCALE = 0.3
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    atol, rtol = TOLERANCE[expected.dtype]
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def random_queries(num_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, num_q_heads, head_dim, generator=generator).to(dtype).to(TARGET.device)
+
+
+def cu_seqlens(q_lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=TARGET.device)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"),
+    [(8, 2, 32), (4, 4, 16), (12, 2, 24)],
+    ids=["gqa4", "mha", "gqa6-dim24"],
+)
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_decode_matches_reference(dtype, num_q_heads, num_kv_heads, head_dim, num_splits):
+    # 1 token, a partial page, exact pages, several pages; 8 splits leave some splits empty.
+    context_lens = [1, 13, 32, 75]
+    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, 16, dtype, TARGET.device, torch.Generator().manual_seed(1))
+    q = random_queries(len(context_lens), num_q_heads, head_dim, dtype, seed=2)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE)
+    out = paged_decode_attention(*args, num_splits=num_splits, config=DecodeConfig(block_n=16))
+    assert_matches(out, paged_decode_attention_ref(*args))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("page_size", "block_n"), [(8, 32), (32, 16)], ids=["tile-spans-pages", "page-spans-tiles"])
+def test_decode_tiles_independent_of_page_size(dtype, page_size, block_n):
+    context_lens = [5, 40, 66]
+    kv = make_paged_kv(context_lens, 2, 32, page_size, dtype, TARGET.device, torch.Generator().manual_seed(3))
+    q = random_queries(len(context_lens), 8, 32, dtype, seed=4)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE)
+    out = paged_decode_attention(*args, num_splits=2, config=DecodeConfig(block_n=block_n))
+    assert_matches(out, paged_decode_attention_ref(*args))
+
+
+@needs_kernels
+def test_decode_of_an_empty_context_is_zero():
+    """A padding row (context 0, e.g. in a CUDA-graph batch) must give zeros, not NaN."""
+    dtype = DTYPES[-1]
+    kv = make_paged_kv([20, 1], 2, 16, 16, dtype, TARGET.device, torch.Generator().manual_seed(5))
+    kv.context_lens[1] = 0
+    q = random_queries(2, 4, 16, dtype, seed=6)
+    for num_splits in (1, 2):
+        out = paged_decode_attention(
+            q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE, num_splits=num_splits
+        )
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert_matches(
+            out[:1], paged_decode_attention_ref(q[:1], kv.k_cache, kv.v_cache, kv.block_tables[:1], kv.context_lens[:1], SCALE)
+        )
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(8, 2), (6, 6)], ids=["gqa4", "mha"])
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (32, 16)])
+def test_prefill_matches_reference_on_mixed_batches(dtype, num_q_heads, num_kv_heads, block_m, block_n):
+    # fresh prompt; prefix-cache hit; one decode-like query; a chunk ending mid-page; a
+    # prompt longer than one query tile.
+    q_lens = [20, 7, 1, 11, 40]
+    context_lens = [20, 37, 50, 27, 40]
+    head_dim = 32
+    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, 16, dtype, TARGET.device, torch.Generator().manual_seed(7))
+    q = random_queries(sum(q_lens), num_q_heads, head_dim, dtype, seed=8)
+    cu = cu_seqlens(q_lens)
+    out = paged_prefill_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, max(q_lens), SCALE,
+        config=PrefillConfig(block_m=block_m, block_n=block_n),
+    )  # fmt: skip
+    assert_matches(out, paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, SCALE))
+
+
+@needs_kernels
+def test_prefill_with_one_query_per_sequence_equals_decode():
+    dtype = DTYPES[0]
+    context_lens = [1, 30, 64]
+    kv = make_paged_kv(context_lens, 2, 32, 16, dtype, TARGET.device, torch.Generator().manual_seed(9))
+    q = random_queries(len(context_lens), 8, 32, dtype, seed=10)
+    prefill = paged_prefill_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens([1, 1, 1]), kv.context_lens, 1, SCALE,
+        config=PrefillConfig(block_m=16, block_n=16),
+    )  # fmt: skip
+    decode = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE)
+    assert_matches(prefill, decode)
+
+
+def test_num_splits_heuristic_fills_the_gpu_only_when_needed():
+    assert choose_num_splits(256, 2, 1024, 132, 64) == 1  # 512 programs already fill 132 SMs
+    assert choose_num_splits(1, 2, 4096, 132, 64) == 32  # one sequence: split as far as allowed
+    assert choose_num_splits(1, 2, 100, 132, 64) == 1  # too short to split into 2-tile ranges
+    few = choose_num_splits(32, 2, 4096, 132, 64)
+    assert 1 < few and 32 * 2 * few >= 2 * 132

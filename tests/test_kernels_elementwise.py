@@ -1,0 +1,107 @@
+"""KV-cache write, RMSNorm and rotary kernels against their references, and the
+references against the Hugging Face layers they stand in for.
+
+Kernel cases run under TRITON_INTERPRET=1 on the CPU (launched by
+test_kernels_interpreter.py when the suite runs without it) or on a CUDA GPU; the
+reference-vs-Hugging-Face cases are plain torch and run there too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+from vlmbatch.kernels import apply_rotary, apply_rotary_ref, rms_norm, rms_norm_ref, store_kvcache, store_kvcache_ref
+from vlmbatch.kernels.testing import TOLERANCE, kernel_target
+
+TARGET = kernel_target()
+needs_kernels = pytest.mark.skipif(
+    TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_interpreter.py runs it so)"
+)
+DTYPES = TARGET.dtypes if TARGET else ()
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(TARGET.device)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kvcache_writes_only_mapped_slots(dtype):
+    num_kv_heads, head_dim, num_tokens = 2, 24, 6
+    # k and v are strided views into a fused qkv projection, as the engine produces them.
+    qkv = randn(num_tokens, 3, num_kv_heads, head_dim, dtype=dtype, seed=0)
+    k, v = qkv[:, 1], qkv[:, 2]
+    slot_mapping = torch.tensor([5, 17, -1, 0, 31, -1], dtype=torch.int64, device=TARGET.device)
+    k_cache = randn(4, 8, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    v_cache = randn(4, 8, num_kv_heads, head_dim, dtype=dtype, seed=2)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(k, v, expected_k, expected_v, slot_mapping)
+
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[17], k[1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 48], ids=["pow2", "masked"])
+def test_rms_norm_matches_reference(dtype, hidden):
+    x = randn(2, 3, hidden, dtype=dtype, seed=3)
+    residual = randn(2, 3, hidden, dtype=dtype, seed=4)
+    weight = randn(hidden, dtype=dtype, seed=5)
+    atol, rtol = TOLERANCE[dtype]
+
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=atol, rtol=rtol)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual=residual)
+    expected_out, expected_residual = rms_norm_ref(x, weight, 1e-6, residual=residual)
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected_out, atol=atol, rtol=rtol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_reference(dtype):
+    num_tokens, head_dim = 5, 32
+    q = randn(num_tokens, 6, head_dim, dtype=dtype, seed=6)
+    k = randn(num_tokens, 2, head_dim, dtype=dtype, seed=7)
+    angles = randn(num_tokens, head_dim, dtype=torch.float32, seed=8)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    atol, rtol = TOLERANCE[dtype]
+    for actual, expected in zip(apply_rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin)):
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def test_rms_norm_reference_is_hugging_faces_norm():
+    hidden = 64
+    layer = Qwen2RMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(9)))
+        x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+        assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6), layer(x))
+
+
+def test_rotary_reference_with_gathered_mrope_cos_sin_is_hugging_faces_mrope():
+    """M-RoPE is only a different cos/sin: its sections are interleaved before the rotation."""
+    head_dim = 32
+    config = Qwen2VLTextConfig(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    )  # fmt: skip
+    rotary = Qwen2VLRotaryEmbedding(config)
+    num_tokens = 6
+    generator = torch.Generator().manual_seed(11)
+    position_ids = torch.randint(0, 50, (3, 1, num_tokens), generator=generator)  # distinct t, h, w positions
+    q = torch.randn(num_tokens, 2, head_dim, generator=generator)
+    k = torch.randn(num_tokens, 1, head_dim, generator=generator)
+    cos, sin = rotary(q, position_ids)  # [1, tokens, head_dim], sections already interleaved
+
+    hf_q, hf_k = apply_rotary_pos_emb(q[None], k[None], cos, sin, unsqueeze_dim=2)
+    ref_q, ref_k = apply_rotary_ref(q, k, cos[0], sin[0])
+    torch.testing.assert_close(ref_q, hf_q[0])
+    torch.testing.assert_close(ref_k, hf_k[0])
