@@ -21,6 +21,11 @@ def new_worker_id(slot: str) -> str:
     return f"{socket.gethostname()}/{slot}/{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
+def pid_of(worker_id: str) -> int:
+    """The process id inside a worker id made by `new_worker_id`."""
+    return int(worker_id.rsplit("/", 1)[1].split("-")[0])
+
+
 @dataclass
 class WorkerRuntime:
     model: str

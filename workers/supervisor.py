@@ -4,7 +4,7 @@ Each child is pinned to its GPU with `CUDA_VISIBLE_DEVICES` before it starts (CU
 it once, at initialisation). Children run in their own session so a terminal's Ctrl+C
 reaches only the supervisor, which forwards every SIGTERM/SIGINT/SIGQUIT exactly once:
 that keeps Celery's "first Ctrl+C warm, second cold" meaning intact. A child that dies
-(OOM, `kill -9`, a poison row) is restarted after a back-off; its shard comes back to the
+(OOM, `kill -9`, a poison row) is restarted after a short back-off; its shard comes back to the
 queue through the visibility timeout.
 """
 
@@ -22,8 +22,11 @@ from types import FrameType
 log = logging.getLogger(__name__)
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+# Back-off for a process that keeps dying: gentle, because a poison row costs a few
+# deaths by design (see poison.py), but bounded, for a model that cannot load at all.
 MIN_RESTART_DELAY = 1.0
 MAX_RESTART_DELAY = 30.0
+BACKOFF_FACTOR = 1.5
 # A child that lived this long is healthy again: its next crash restarts without back-off.
 HEALTHY_AFTER = 60.0
 
@@ -96,7 +99,7 @@ class Supervisor:
                     delay = MIN_RESTART_DELAY if healthy else child.delay
                     log.warning("worker process %d (slot %s) exited with %s; restarting in %.0f s",
                                 child.process.pid, slot, code, delay)
-                    restarts[slot] = (now + delay, min(delay * 2, MAX_RESTART_DELAY))
+                    restarts[slot] = (now + delay, min(delay * BACKOFF_FACTOR, MAX_RESTART_DELAY))
             for slot, (when, next_delay) in list(restarts.items()):
                 if now >= when and not self.stopping:
                     del restarts[slot]

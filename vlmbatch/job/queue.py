@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlmbatch.io.manifest import Manifest, results_dir
+from vlmbatch.io.manifest import Manifest
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -44,9 +44,10 @@ class JobStatus:
 
 
 def committed_shards(manifest: Manifest) -> set[int]:
-    """Shards whose part is in `results/` (one listing, not one stat per shard)."""
-    names = {p.name for p in results_dir(manifest.job_dir).glob("part-*.parquet")}
-    return {s.shard_id for s in manifest.shards if manifest.part_path(s.shard_id).name in names}
+    """Shards whose part is in `results/`."""
+    from vlmbatch.job.local import pending_shards
+
+    return {s.shard_id for s in manifest.shards} - set(pending_shards(manifest, manifest.job_dir))
 
 
 def part_counts(path: Path) -> tuple[int, int]:
@@ -77,12 +78,12 @@ def _queue_shards(manifest: Manifest, broker_url: str, shard_ids: list[int], ret
 
 def enqueue_job(manifest: Manifest, job_dir: Path, broker_url: str) -> int:
     """Queue one task per shard without a committed part on the model's queue; returns how many."""
+    from vlmbatch.job.local import pending_shards
     from vlmbatch.workers.app import queue_name
 
-    manifest = Manifest.load(job_dir)
     store = _store(manifest, broker_url)
-    store.register(str(manifest.job_dir), manifest.model, queue_name(manifest.model), manifest.num_shards, manifest.num_rows)
-    pending = sorted({s.shard_id for s in manifest.shards} - committed_shards(manifest))
+    store.register(str(job_dir), manifest.model, queue_name(manifest.model), manifest.num_shards, manifest.num_rows)
+    pending = pending_shards(manifest, job_dir)
     store.set_shard_states(pending, "queued")
     _queue_shards(manifest, broker_url, pending)
     return len(pending)
@@ -148,6 +149,7 @@ def cancel_job(job_dir: Path, broker_url: str) -> None:
 def resume_job(job_dir: Path, broker_url: str, retry_errors: bool = False) -> int:
     """Re-queue every shard without a committed part (and, with `retry_errors`, every part
     holding error rows, to re-run just those rows); rebuilds Redis state from the folder."""
+    from vlmbatch.job.local import pending_shards
     from vlmbatch.workers.app import queue_name
 
     manifest = Manifest.load(job_dir)
@@ -161,7 +163,7 @@ def resume_job(job_dir: Path, broker_url: str, retry_errors: bool = False) -> in
         store.set_rows(shard_id, ok, failed)
         if failed:
             with_errors.append(shard_id)
-    pending = sorted({s.shard_id for s in manifest.shards} - committed)
+    pending = pending_shards(manifest, manifest.job_dir)
     store.set_shard_states(pending, "queued")
     _queue_shards(manifest, broker_url, pending)
     if retry_errors:
