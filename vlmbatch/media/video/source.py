@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from vlmbatch import config
 from vlmbatch.errors import ErrorType, RowError
 
 
@@ -35,7 +34,8 @@ class VideoContext:
 
     `allowed_local_path` None allows any local path (batch jobs read their own
     disk); the server sets it from `--allowed-local-media-path`. `fetch_policy`
-    None fetches with the defaults and the video fetch timeout.
+    is a `vlmbatch.media.fetch.FetchPolicy` meant for videos (`FetchPolicy.for_videos(...)`:
+    the video timeout and size cap); None uses `FetchPolicy.for_videos()`.
     """
 
     base_dir: str | None = None
@@ -103,5 +103,4 @@ def _decode_data_url(url: str, param: str) -> bytes:
 def _fetch(url: str, ctx: VideoContext) -> bytes:
     from vlmbatch.media.fetch import FetchPolicy, fetch_bytes
 
-    policy = ctx.fetch_policy or FetchPolicy(timeout=config.video_fetch_timeout())
-    return fetch_bytes(url, policy)
+    return fetch_bytes(url, ctx.fetch_policy or FetchPolicy.for_videos())
