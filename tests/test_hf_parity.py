@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -36,10 +38,14 @@ def _cases(arch: str) -> list[tuple[str, list[Image.Image]]]:
     ]
 
 
+@functools.cache
+def _hf_model(path):
+    return AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def _hf_generate(path, prompts: list[str], images: list[list[Image.Image]]) -> list[list[int]]:
     """The reference: the checkpoint's own processor and `generate()`, nothing of ours."""
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    processor, model = _hf_model(path)
     flat = [img for imgs in images for img in imgs]
     inputs = processor(text=prompts, images=flat, padding=True, padding_side="left", return_tensors="pt")
     with torch.inference_mode():
@@ -66,9 +72,8 @@ def test_single_prompts_match_generate(arch_and_llm):
         [ours] = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, greedy, use_tqdm=False)
         [reference] = _hf_generate(path, [prompt], [images])
         assert ours.outputs[0].token_ids == reference
-        assert ours.prompt_token_ids == AutoProcessor.from_pretrained(path)(
-            text=[prompt], images=images, return_tensors="pt"
-        )["input_ids"][0].tolist()
+        processor, _ = _hf_model(path)
+        assert ours.prompt_token_ids == processor(text=[prompt], images=images, return_tensors="pt")["input_ids"][0].tolist()
 
 
 def test_batched_prompts_match_generate(arch_and_llm):

@@ -81,7 +81,6 @@ class HFEngine(Engine):
         dtype: str | torch.dtype = "auto",
         device: str = "auto",
         max_batch_size: int = 64,
-        seed: int = 0,
     ):
         super().__init__(adapter)
         if model is None:
@@ -98,7 +97,6 @@ class HFEngine(Engine):
         # Qwen's M-RoPE needs the per-token modality; rebuilt from the ids when the model takes it.
         self._takes_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
-        torch.manual_seed(seed)  # unseeded sampling is reproducible run to run, as in vLLM
 
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
         if request_id in self._waiting:
@@ -173,8 +171,11 @@ class HFEngine(Engine):
         row_params = [r.params for r in batch for _ in range(params.n)]
         config = self._generation_config(params, max(r.params.max_tokens for r in batch))
         stopping = StoppingCriteriaList([_RequestsDone(self, row_params, prompt_len)])
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            if params.seed is not None and not params.greedy:
+        seeded = params.seed is not None and not params.greedy
+        # A seeded request gets its own RNG stream and leaves the shared one untouched.
+        rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [], enabled=seeded)
+        with rng:
+            if seeded:
                 torch.manual_seed(params.seed)
             out = self.model.generate(**inputs, generation_config=config, stopping_criteria=stopping)
         rows = out[:, prompt_len:].tolist()

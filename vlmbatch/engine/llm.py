@@ -73,7 +73,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         chat_template: str | None = None,
-        max_batch_size: int = 64,
+        max_batch_size: int | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
         **engine_kwargs: Any,
