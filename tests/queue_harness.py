@@ -7,6 +7,7 @@ environment, and they are killed with real signals.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -14,8 +15,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import redis
 
+from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.io.manifest import Manifest, part_name, results_dir
+from vlmbatch.job.plan import plan_job
+from vlmbatch.job.queue import JobStatus, enqueue_job, job_status
+from vlmbatch.workers.store import JobStore, connect
 from vlmbatch.workers.local import RedisServer, WorkerCommand, wait_until
 
 # Short enough that crash recovery fits in a test, long enough for a loaded 2-core CI box.
@@ -82,3 +88,53 @@ def assert_exactly_once(job_dir: Path) -> None:
     assert visible == expected, f"missing parts {sorted(expected - visible)}, unexpected {sorted(visible - expected)}"
     row_ids = pq.read_table(results_dir(job_dir), columns=["row_id"]).column("row_id").to_pylist()
     assert sorted(row_ids) == list(range(manifest.num_rows)), "a row is missing or duplicated"
+
+
+def write_rows(path: Path, count: int, image: Path | None = None, images_at: dict[int, Path] | None = None) -> Path:
+    """A JSONL dataset of short chat rows; `image` for every row, `images_at` for some."""
+    with open(path, "w") as out:
+        for i in range(count):
+            row: dict[str, object] = {"id": f"r{i}", "messages": [{"role": "user", "content": f"describe item {i}"}]}
+            chosen = (images_at or {}).get(i, image)
+            if chosen is not None:
+                row["image"] = str(chosen)
+            out.write(json.dumps(row) + "\n")
+    return path
+
+
+def submit(dataset: Path, model: Path | str, output: Path, broker: str, shard_size: int) -> tuple[Manifest, Path]:
+    """Plan the job and queue its shards, as `vlmbatch submit --broker` does."""
+    manifest, job_dir = plan_job(
+        dataset, str(model), output, shard_size=shard_size, broker=broker, sampling=SamplingParams(max_tokens=2, temperature=0.0)
+    )
+    enqueue_job(manifest, job_dir, broker)
+    return manifest, job_dir
+
+
+def wait_state(job_dir: Path, broker: str, states: set[str], timeout: float) -> JobStatus:
+    """Poll `job_status` until the job reaches one of `states` (Redis may be away meanwhile)."""
+
+    def reached() -> JobStatus | None:
+        try:
+            status = job_status(job_dir, broker)
+        except redis.RedisError:
+            return None
+        return status if status.state in states else None
+
+    return wait_for(reached, timeout, f"job state in {sorted(states)}")  # type: ignore[return-value]
+
+
+def running_shards(job_dir: Path, broker: str) -> dict[int, str]:
+    """Shard -> worker id of every shard running right now (from the live leases)."""
+    manifest = Manifest.load(job_dir)
+    store = JobStore(connect(broker), manifest.job_id)
+    return store.lease_holders([s.shard_id for s in manifest.shards if not manifest.part_path(s.shard_id).exists()])
+
+
+def assert_job_completed(job_dir: Path, broker: str) -> JobStatus:
+    """The check every reliability test ends with."""
+    assert_exactly_once(job_dir)
+    status = job_status(job_dir, broker)
+    assert status.state == "completed"
+    assert status.rows_done == status.num_rows
+    return status

@@ -6,13 +6,14 @@ import subprocess
 import sys
 import time
 
-from queue_harness import RedisServer, redis_server  # noqa: F401  (fixture)
+import queue_harness as qh
+from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
 
 from vlmbatch.workers.lease import UNACKED_INDEX_KEY, ShardLease
 from vlmbatch.workers.store import JobStore, RowRange
 
 
-def test_lease_excludes_a_second_worker_while_its_heartbeat_runs(redis_server: RedisServer) -> None:
+def test_lease_excludes_a_second_worker_while_its_heartbeat_runs(redis_server: qh.RedisServer) -> None:
     client = redis_server.client()
     holder = ShardLease(client, "vlmbatch:lease:j:0", "worker-a", ttl=0.8, delivery_tag=None)
     rival = ShardLease(client, "vlmbatch:lease:j:0", "worker-b", ttl=0.8, delivery_tag=None)
@@ -25,7 +26,7 @@ def test_lease_excludes_a_second_worker_while_its_heartbeat_runs(redis_server: R
     assert rival.acquire()
 
 
-def test_lease_of_a_dead_worker_expires(redis_server: RedisServer) -> None:
+def test_lease_of_a_dead_worker_expires(redis_server: qh.RedisServer) -> None:
     client = redis_server.client()
     assert ShardLease(client, "vlmbatch:lease:j:1", "dead", ttl=0.5, delivery_tag=None).acquire()  # no heartbeat
     rival = ShardLease(client, "vlmbatch:lease:j:1", "alive", ttl=0.5, delivery_tag=None)
@@ -34,7 +35,7 @@ def test_lease_of_a_dead_worker_expires(redis_server: RedisServer) -> None:
     assert rival.acquire()
 
 
-def test_heartbeat_renews_the_message_visibility(redis_server: RedisServer) -> None:
+def test_heartbeat_renews_the_message_visibility(redis_server: qh.RedisServer) -> None:
     client = redis_server.client()
     client.zadd(UNACKED_INDEX_KEY, {"tag-1": time.time() - 100, "tag-2": time.time() - 100})
     lease = ShardLease(client, "vlmbatch:lease:j:2", "w", ttl=0.4, delivery_tag="tag-1")
@@ -45,7 +46,7 @@ def test_heartbeat_renews_the_message_visibility(redis_server: RedisServer) -> N
     assert client.zscore(UNACKED_INDEX_KEY, "tag-2") < time.time() - 50  # others untouched
 
 
-def test_crash_ledger_counts_only_attempts_that_never_ended(redis_server: RedisServer) -> None:
+def test_crash_ledger_counts_only_attempts_that_never_ended(redis_server: qh.RedisServer) -> None:
     store = JobStore(redis_server.client(), "j")
     rows = RowRange(10, 20)
     try:
@@ -65,7 +66,7 @@ def test_crash_ledger_counts_only_attempts_that_never_ended(redis_server: RedisS
     assert store.crashes(RowRange(10, 15)) == 0
 
 
-def test_row_counters_restart_with_each_attempt(redis_server: RedisServer) -> None:
+def test_row_counters_restart_with_each_attempt(redis_server: qh.RedisServer) -> None:
     store = JobStore(redis_server.client(), "j")
     store.start_attempt(3)
     store.add_rows(3, 5, 1)

@@ -168,7 +168,7 @@ def _parse_json_object(line: bytes) -> dict[str, Any] | RowError:
 
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 _BATCH_URL = "/v1/chat/completions"
-_BATCH_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")
+_BATCH_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 def _is_openai_batch_line(obj: dict[str, Any]) -> bool:

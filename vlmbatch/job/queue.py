@@ -98,8 +98,9 @@ def job_status(job_dir: Path, broker_url: str) -> JobStatus:
     recorded = store.shard_states()
     holders = store.lease_holders(uncommitted)
     ok_by_shard, failed_by_shard = store.rows_by_shard()
-    for shard_id in committed - ok_by_shard.keys():  # Redis lost it: count from the part
-        ok_by_shard[shard_id], failed_by_shard[shard_id] = part_counts(manifest.part_path(shard_id))
+    for shard_id in committed:
+        if recorded.get(shard_id, {}).get("state") != "done":  # Redis missed the commit: count the part
+            ok_by_shard[shard_id], failed_by_shard[shard_id] = part_counts(manifest.part_path(shard_id))
 
     shards: Counter[str] = Counter(done=len(committed))
     errors = []

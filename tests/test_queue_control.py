@@ -1,0 +1,60 @@
+"""Job control from the command line, and jobs of two models on one broker."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import queue_harness as qh
+from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
+
+from vlmbatch.job.queue import committed_shards
+from vlmbatch.workers.local import VLMBATCH
+from vlmbatch.workers.runtime import pid_of
+from vlmbatch.workers.store import JobStore, connect
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([VLMBATCH, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cancel_mid_job_then_resume(tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path) -> None:
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 300)
+    for _ in range(2):
+        start_worker(tiny_qwen, redis_server.url)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=30)
+    qh.wait_for(lambda: len(committed_shards(manifest)) >= 2, 120, "two committed shards")
+
+    assert cli("cancel", str(job_dir)).returncode == 0
+    cancelled = qh.wait_state(job_dir, redis_server.url, {"cancelled"}, timeout=60)
+    assert 0 < cancelled.shards["done"] < manifest.num_shards
+    assert cli("wait", str(job_dir)).returncode == 3  # a cancelled job is not a success
+    shown = cli("status", str(job_dir))
+    assert shown.returncode == 0 and "cancelled" in shown.stdout
+
+    assert cli("resume", str(job_dir)).returncode == 0
+    waited = cli("wait", str(job_dir))
+    assert waited.returncode == 0, waited.stderr
+    qh.assert_job_completed(job_dir, redis_server.url)
+
+
+def test_two_models_on_one_broker_go_to_their_own_workers(
+    tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path, tiny_llava: Path
+) -> None:
+    qwen_worker = start_worker(tiny_qwen, redis_server.url)
+    llava_worker = start_worker(tiny_llava, redis_server.url)
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 40)
+    jobs = {
+        qwen_worker: qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=10),
+        llava_worker: qh.submit(dataset, tiny_llava, tmp_path / "out", redis_server.url, shard_size=10),
+    }
+    for worker, (manifest, job_dir) in jobs.items():
+        qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=150)
+        qh.assert_job_completed(job_dir, redis_server.url)
+        ran_on = {pid_of(s["worker"]) for s in JobStore(connect(redis_server.url), manifest.job_id).shard_states().values()}
+        assert ran_on == {worker.child().pid}
+        assert set(pq.read_table(job_dir / "results", columns=["model"]).column("model").to_pylist()) == {manifest.model}

@@ -1,0 +1,50 @@
+"""Redis goes away: `kill -9` mid-job and back 5 s later, and lost entirely (resume from the folder)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import queue_harness as qh
+from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
+
+from vlmbatch.job.queue import committed_shards, job_status
+from vlmbatch.workers.local import VLMBATCH
+
+pytestmark = pytest.mark.slow
+
+
+def test_redis_kill9_and_restart_mid_job(tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path) -> None:
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 400)
+    for _ in range(2):
+        start_worker(tiny_qwen, redis_server.url)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=40)
+    qh.wait_for(lambda: committed_shards(manifest) and qh.running_shards(job_dir, redis_server.url), 120, "the job under way")
+    redis_server.kill9()
+    time.sleep(5)
+    redis_server.start()  # same port, same append-only file
+
+    qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=150)
+    qh.assert_job_completed(job_dir, redis_server.url)
+
+
+def test_resume_rebuilds_a_job_after_redis_lost_everything(
+    tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
+) -> None:
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 200)
+    worker = start_worker(tiny_qwen, redis_server.url)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=40)
+    qh.wait_for(lambda: len(committed_shards(manifest)) >= 2, 120, "two committed shards")
+    worker.stop()
+    redis_server.client().flushall()  # queue, counters, leases: all gone
+    done_before = committed_shards(manifest)
+
+    subprocess.run([VLMBATCH, "resume", str(job_dir)], check=True)
+    status = job_status(job_dir, redis_server.url)
+    assert status.shards["done"] == len(done_before)
+    assert status.rows_done == sum(manifest.shards[s].num_rows for s in done_before)  # counted from the parts
+    start_worker(tiny_qwen, redis_server.url)
+    qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=120)
+    qh.assert_job_completed(job_dir, redis_server.url)
