@@ -95,3 +95,12 @@ def test_row_override_errors_are_row_errors():
     assert caught.value.error_type == ErrorType.INVALID_ROW
     assert caught.value.param == "media_io_kwargs"
     assert "'seek_mode'" in caught.value.message
+
+
+def test_missing_decoder_library_is_reported_at_start_up():
+    from vlmbatch.media.video import ensure_backend_available
+
+    ensure_backend_available("opencv")
+    ensure_backend_available("pyav")
+    with pytest.raises(ValueError, match="nvidia-deepstream-videodecode"):
+        ensure_backend_available("deepstream")

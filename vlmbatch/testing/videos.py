@@ -25,6 +25,8 @@ VIDEO_KINDS = (
     "audio_only",
     "empty",
 )
+# Colour-tagged variants (not in the conformance set): BT.709 and full ("JPEG") range.
+COLOUR_KINDS = ("bt709_mp4", "full_range_mp4")
 
 # Codec arguments and file suffix per CPU-decodable kind; "-g" keeps keyframes
 # one second apart so seeking backends are exercised.
@@ -33,6 +35,12 @@ _ENCODINGS = {
     "hevc_mkv": (["-c:v", "libx265", "-pix_fmt", "yuv420p", "-x265-params", "log-level=error"], ".mkv"),
     "vp9_webm": (["-c:v", "libvpx-vp9", "-pix_fmt", "yuv420p", "-deadline", "realtime", "-cpu-used", "8"], ".webm"),
     "mpeg4_avi": (["-c:v", "mpeg4", "-q:v", "3"], ".avi"),
+    "bt709_mp4": (
+        ["-vf", "scale=out_color_matrix=bt709", "-c:v", "libx264", "-pix_fmt", "yuv420p",
+         "-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709"],
+        ".mp4",
+    ),
+    "full_range_mp4": (["-c:v", "libx264", "-pix_fmt", "yuvj420p"], ".mp4"),
 }
 
 
@@ -58,7 +66,7 @@ def make_video(
     seconds: float = 3.0,
     keyframe_interval: int | None = None,
 ) -> Path:
-    """Write one test video of `kind` (see `VIDEO_KINDS`) into `directory`; returns its path."""
+    """Write one test video of `kind` (`VIDEO_KINDS`, `COLOUR_KINDS`) into `directory`; returns its path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     gop = ["-g", str(keyframe_interval or max(1, round(fps)))]

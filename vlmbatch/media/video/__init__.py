@@ -8,6 +8,7 @@ missing optional decoders cost nothing until asked for.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
@@ -25,6 +26,7 @@ __all__ = [
     "VideoOptions",
     "VideoSource",
     "default_video_options",
+    "ensure_backend_available",
     "get_backend",
     "load_video",
     "override_video_options",
@@ -39,6 +41,26 @@ _BACKEND_CLASSES = {
     "deepstream": ("vlmbatch.media.video.deepstream_backend", "DeepStreamBackend"),
 }
 _instances: dict[str, VideoBackend] = {}
+
+
+_BACKEND_LIBRARIES = {
+    "opencv": ("cv2", "opencv-python-headless"),
+    "pyav": ("av", "av"),
+    "torchcodec": ("torchcodec", "torchcodec (and FFmpeg's shared libraries)"),
+    "pynvvideocodec": ("PyNvVideoCodec", "PyNvVideoCodec (and an NVIDIA GPU with libnvcuvid)"),
+    "deepstream": ("nvidia.deepstream_videodecode", "nvidia-deepstream-videodecode-cu13 (driver >= 590, GStreamer)"),
+}
+
+
+def ensure_backend_available(name: str) -> None:
+    """Fail at start-up (flags, env) rather than on every row when a decoder library is missing."""
+    module, package = _BACKEND_LIBRARIES[name]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package of a dotted name
+        found = False
+    if not found:
+        raise ValueError(f"video backend {name!r} needs {package}, which is not installed")
 
 
 def get_backend(name: str) -> VideoBackend:

@@ -11,7 +11,7 @@ it was given without holding a reference: the capture keeps it alive here.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,12 +24,17 @@ from vlmbatch.media.video.source import VideoSource
 
 
 @contextmanager
-def open_capture(source: VideoSource) -> Iterator[Any]:
-    """A `cv2.VideoCapture` on a path or on bytes, released on exit."""
+def open_capture(source: VideoSource, raw_packets: bool = False) -> Iterator[Any]:
+    """A `cv2.VideoCapture` on a path or on bytes, released on exit.
+
+    `raw_packets` makes `grab()` only demux (no decoding): timestamps and
+    keyframe flags of packets, for the probe.
+    """
     import cv2
 
     buffer = io.BytesIO(source.data) if source.data is not None else None
-    capture = cv2.VideoCapture(source.path if buffer is None else buffer, cv2.CAP_FFMPEG, [])
+    params = [cv2.CAP_PROP_FORMAT, -1] if raw_packets else []
+    capture = cv2.VideoCapture(source.path if buffer is None else buffer, cv2.CAP_FFMPEG, params)
     try:
         if not capture.isOpened():
             raise RowError(ErrorType.MEDIA_DECODE, f"cannot open video {source.name} (no video stream or not a video)")
@@ -64,24 +69,28 @@ class OpenCVBackend(VideoBackend):
                     if landed is None:
                         return
                     yield landed, fetch
-                yield from _grab_loop(capture, index, position, fetch)
+                for _ in grab_loop(capture):
+                    yield position(), fetch
 
             return walk_frames(wanted, index, frames_from)
 
 
-def _grab_loop(capture: Any, index: StreamIndex, position: Any, fetch: Any) -> Iterator[tuple[int, Any]]:
-    """Grab forward to the end. A damaged packet makes one `grab()` fail
-    mid-stream while the next succeeds, so only repeated failures mean the end."""
-    failures, current = 0, -1
-    while failures < _MAX_GRAB_FAILURES and current < index.num_frames - 1:
+def grab_loop(capture: Any) -> Iterator[None]:
+    """`grab()` forward to the end, yielding after each grabbed frame.
+
+    A damaged packet makes one `grab()` fail mid-stream while the next one
+    succeeds, so only repeated failures mean the end.
+    """
+    failures = 0
+    while failures < _MAX_GRAB_FAILURES:
         if capture.grab():
-            failures, current = 0, position()
-            yield current, fetch
+            failures = 0
+            yield
         else:
             failures += 1
 
 
-def _seek_at_or_before(capture: Any, keyframe: int, index: StreamIndex, fps: float, position: Any) -> int | None:
+def _seek_at_or_before(capture: Any, keyframe: int, index: StreamIndex, fps: float, position: Callable[[], int]) -> int | None:
     """Seek so that the grabbed frame is at or before `keyframe`; its index, None at EOF.
 
     OpenCV's frame number is `pts * fps`, wrong on VFR files, so the landing is

@@ -1,9 +1,11 @@
 """Frame timestamps and keyframe positions of a video stream, without decoding pixels.
 
 The sampler needs every frame's real presentation time, and the seeking
-backends need to know where keyframes are. PyAV reads both from the container's
-packets (demuxing only, milliseconds even for long clips); without PyAV (the GPU
-machine) OpenCV's grab loop gives the timestamps at the price of a decode.
+backends need to know where keyframes are. Both come from the container's
+packets (demuxing only: milliseconds even for long clips): through PyAV when it
+is installed, else through OpenCV's raw-stream mode (`CAP_PROP_FORMAT = -1`,
+the GPU machine's case). The two agree on intact files; on a file with a
+damaged packet OpenCV's raw mode drops that packet, so indices shift there.
 """
 
 from __future__ import annotations
@@ -91,12 +93,16 @@ def _probe_with_pyav(source: VideoSource) -> StreamIndex:
 def _probe_with_opencv(source: VideoSource) -> StreamIndex:
     import cv2
 
-    from vlmbatch.media.video.opencv_backend import open_capture
+    from vlmbatch.media.video.opencv_backend import grab_loop, open_capture
 
-    with open_capture(source) as capture:
-        timestamps = []
-        while capture.grab():
-            timestamps.append(capture.get(cv2.CAP_PROP_POS_MSEC) / 1000.0)
-    if not timestamps:
+    with open_capture(source, raw_packets=True) as capture:
+        packets = sorted(
+            (capture.get(cv2.CAP_PROP_POS_MSEC) / 1000.0, bool(capture.get(cv2.CAP_PROP_LRF_HAS_KEY_FRAME)))
+            for _ in grab_loop(capture)
+        )
+    if not packets:
         raise no_frames(source)
-    return StreamIndex(timestamps=sorted(timestamps))
+    return StreamIndex(
+        timestamps=[t for t, _ in packets],
+        keyframes=[i for i, (_, key) in enumerate(packets) if key],
+    )
