@@ -14,7 +14,7 @@ from .reference import (
     rms_norm_ref,
     store_kvcache_ref,
 )
-from .rms_norm import rms_norm
+from .norm import rms_norm
 from .rotary import apply_rotary
 
 __all__ = [

@@ -64,9 +64,14 @@ def make_paged_kv(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> PagedKV:
-    """Caches `[num_blocks, block_size, kv_heads, head_dim]` with random keys/values for each sequence."""
+    """Caches `[num_blocks, block_size, kv_heads, head_dim]` with random keys/values for each sequence.
+
+    Values are drawn on `device` itself: benchmark caches run to gigabytes.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    device_generator = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + SPARE_BLOCKS
     order = torch.randperm(num_blocks, generator=generator).tolist()
@@ -77,14 +82,14 @@ def make_paged_kv(
         block_tables[seq, :count] = torch.tensor(order[taken : taken + count], dtype=torch.int32)
         taken += count
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=generator).to(dtype)
-    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    k_cache = torch.randn(shape, generator=device_generator, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=device_generator, device=device, dtype=dtype)
     for spare in order[taken:]:
         k_cache[spare] = GARBAGE
         v_cache[spare] = GARBAGE
     return PagedKV(
-        k_cache=k_cache.to(device),
-        v_cache=v_cache.to(device),
+        k_cache=k_cache,
+        v_cache=v_cache,
         block_tables=block_tables.to(device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
     )

@@ -1,0 +1,28 @@
+"""`vlmbatch bench kernels`: check the Triton kernels against their references and time them on the GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def bench_kernels(
+    json_out: Path = typer.Option(Path("bench-kernels.json"), "--json", help="Where to write the figures."),
+    config_sweep: bool = typer.Option(True, help="Also sweep launch configs (block sizes, warps, stages)."),
+) -> None:
+    """Check every kernel in bf16/fp16, then time decode/prefill attention against SDPA and the GPU's ceilings."""
+    import torch
+
+    if not torch.cuda.is_available():
+        typer.echo("vlmbatch bench kernels needs a CUDA GPU", err=True)
+        raise typer.Exit(2)
+    from vlmbatch.kernels.bench import run_kernel_bench
+
+    report = run_kernel_bench(json_out, sweep_configs=config_sweep, echo=typer.echo)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def register(bench_app: typer.Typer) -> None:
+    bench_app.command("kernels")(bench_kernels)

@@ -1,0 +1,274 @@
+"""GPU check-and-time run for the kernels: `vlmbatch bench kernels` and scripts/gpu_kernels_bench.py.
+
+One run (a few minutes on an H200) checks every kernel against its reference in bf16 and
+fp16, measures the machine's ceilings (device copy bandwidth, a bf16 8192^3 matmul), then
+times decode and prefill attention over the shapes the engine serves, with torch SDPA on
+the same data as the peer. Timings are `triton.testing.do_bench` medians (L2 flushed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
+from .kv_cache_write import store_kvcache
+from .prefill_attention import PrefillConfig, paged_prefill_attention
+from .reference import (
+    apply_rotary_ref,
+    gather_paged_kv,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    rms_norm_ref,
+    store_kvcache_ref,
+)
+from .norm import rms_norm
+from .rotary import apply_rotary
+from .testing import TOLERANCE, PagedKV, make_paged_kv
+
+HEAD_DIM = 128
+MODELS = {"3B": (16, 2), "7B": (28, 4)}  # (query heads, KV heads) of Qwen2.5-VL
+DECODE_BATCHES = (1, 64, 256)
+DECODE_CONTEXTS = (1024, 4096)
+SPLIT_SWEEP = (1, 2, 4, 8, 16)
+PAGE_SWEEP = (16, 64, 256)
+SWEEP_PAGE = 128
+DECODE_CONFIGS = tuple(
+    DecodeConfig(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)
+)
+PREFILL_CONFIGS = (
+    PrefillConfig(128, 64, 8, 3),
+    PrefillConfig(128, 64, 4, 3),
+    PrefillConfig(128, 32, 4, 3),
+    PrefillConfig(128, 128, 8, 2),
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(64, 32, 4, 2),
+)
+PREFILL_BATCH, PREFILL_LEN = 64, 512
+
+
+@dataclass
+class BenchReport:
+    """Everything one run measured; `ok` is False when any kernel disagreed with its reference."""
+
+    device: str
+    ceilings: dict[str, float] = field(default_factory=dict)
+    checks: list[dict] = field(default_factory=list)
+    decode: list[dict] = field(default_factory=list)
+    prefill: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(check["ok"] for check in self.checks)
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """What the hardware gives to plain PyTorch: the yardsticks for the kernels' numbers."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    matmul_ms = median_ms(lambda: a @ b)
+    return {
+        "copy_tb_s": 2 * src.numel() / copy_ms / 1e9,  # bytes read + written
+        "matmul_bf16_tflop_s": 2 * 8192**3 / matmul_ms / 1e9,
+    }
+
+
+def compare(kernel: str, dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor) -> dict:
+    """Max abs / rel error of a kernel output against its reference, judged by TOLERANCE."""
+    atol, rtol = TOLERANCE[dtype]
+    diff = (actual.float() - expected.float()).abs()
+    has_nan = bool(actual.isnan().any())
+    within = bool((diff <= atol + rtol * expected.float().abs()).all())
+    return {
+        "kernel": kernel,
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_abs": float(diff.max()),
+        "max_rel": float((diff / (expected.float().abs() + atol)).max()),
+        "nan": has_nan,
+        "ok": within and not has_nan,
+    }
+
+
+def check_kernels(device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Each kernel on fresh random inputs with the awkward cases (ragged, prefix-cached, q_len 1)."""
+    num_q_heads, num_kv_heads = MODELS["3B"]
+    scale = HEAD_DIM**-0.5
+    context_lens = [1, 127, 128, 300, 1000, 2049]
+    kv = make_paged_kv(context_lens, num_kv_heads, HEAD_DIM, 128, dtype, device, seed=11)
+    generator = torch.Generator(device=device).manual_seed(12)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+
+    checks = []
+    q = randn(len(context_lens), num_q_heads, HEAD_DIM)
+    decode_args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale)
+    decode_ref = paged_decode_attention_ref(*decode_args)
+    for num_splits in (None, 4):
+        name = f"decode splits={num_splits or 'auto'}"
+        checks.append(compare(name, dtype, paged_decode_attention(*decode_args, num_splits=num_splits), decode_ref))
+
+    q_lens = [1, 127, 128, 50, 1000, 2049]  # q_len < context_len: prefix-cache hits / chunks
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = randn(sum(q_lens), num_q_heads, HEAD_DIM)
+    prefill = paged_prefill_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, max(q_lens), scale
+    )
+    ref = paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, scale)
+    checks.append(compare("prefill", dtype, prefill, ref))
+
+    k_new, v_new = randn(64, num_kv_heads, HEAD_DIM), randn(64, num_kv_heads, HEAD_DIM)
+    slots = torch.randperm(kv.k_cache.shape[0] * 128, device=device)[:64]
+    slots[::7] = -1
+    expected_k, expected_v = kv.k_cache.clone(), kv.v_cache.clone()
+    store_kvcache_ref(k_new, v_new, expected_k, expected_v, slots)
+    store_kvcache(k_new, v_new, kv.k_cache, kv.v_cache, slots)
+    checks.append(compare("store_kvcache k", dtype, kv.k_cache, expected_k))
+    checks.append(compare("store_kvcache v", dtype, kv.v_cache, expected_v))
+
+    x, residual, weight = randn(300, 2048), randn(300, 2048), randn(2048)
+    checks.append(compare("rms_norm", dtype, rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6)))
+    fused, ref_fused = rms_norm(x, weight, 1e-6, residual), rms_norm_ref(x, weight, 1e-6, residual)
+    checks.append(compare("rms_norm+residual", dtype, fused[0], ref_fused[0]))
+    checks.append(compare("rms_norm residual out", dtype, fused[1], ref_fused[1]))
+
+    angles = torch.randn(300, HEAD_DIM, generator=generator, device=device) * 10
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_rot, k_rot = randn(300, num_q_heads, HEAD_DIM), randn(300, num_kv_heads, HEAD_DIM)
+    for name, actual, expected in zip(("rotary q", "rotary k"), apply_rotary(q_rot, k_rot, cos, sin),
+                                      apply_rotary_ref(q_rot, k_rot, cos, sin)):  # fmt: skip
+        checks.append(compare(name, dtype, actual, expected))
+    return checks
+
+
+def gathered_kv(kv: PagedKV, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same KV made contiguous `[batch, kv_heads, context, head_dim]`: SDPA's best case."""
+    context_len = int(kv.context_lens[0])
+    k = torch.stack([gather_paged_kv(kv.k_cache, kv.block_tables[b], context_len) for b in range(batch)])
+    v = torch.stack([gather_paged_kv(kv.v_cache, kv.block_tables[b], context_len) for b in range(batch)])
+    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+def decode_row(model: str, batch: int, context: int, page: int, variant: str, ms: float, kv_bytes: int, copy: float) -> dict:
+    tb_s = kv_bytes / ms / 1e9
+    return {
+        "model": model, "batch": batch, "context": context, "page": page, "variant": variant,
+        "ms": ms, "kv_tb_s": tb_s, "pct_of_copy": 100 * tb_s / copy,
+    }  # fmt: skip
+
+
+def bench_decode(device: torch.device, copy_tb_s: float, sweep_configs: bool = True) -> list[dict]:
+    """Decode over every model x batch x context: split and page sweeps, SDPA peer, config sweep on the headline."""
+    rows = []
+    dtype = torch.bfloat16
+    for model, (num_q_heads, num_kv_heads) in MODELS.items():
+        for batch in DECODE_BATCHES:
+            for context in DECODE_CONTEXTS:
+                kv_bytes = 2 * batch * context * num_kv_heads * HEAD_DIM * dtype.itemsize
+                q = torch.randn(batch, num_q_heads, HEAD_DIM, device=device, dtype=dtype)
+                row = lambda page, variant, ms: decode_row(model, batch, context, page, variant, ms, kv_bytes, copy_tb_s)  # noqa: E731
+                for page in (SWEEP_PAGE, *PAGE_SWEEP):
+                    kv = make_paged_kv([context] * batch, num_kv_heads, HEAD_DIM, page, dtype, device)
+                    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, HEAD_DIM**-0.5)
+                    auto = choose_num_splits(batch, num_kv_heads, kv.block_tables.shape[1] * page, sm_count(device), 64)
+                    rows.append(row(page, f"triton splits=auto({auto})", median_ms(lambda: paged_decode_attention(*args))))
+                    if page != SWEEP_PAGE:
+                        continue
+                    for splits in SPLIT_SWEEP:
+                        ms = median_ms(lambda: paged_decode_attention(*args, num_splits=splits))
+                        rows.append(row(page, f"triton splits={splits}", ms))
+                    if sweep_configs and model == "3B" and batch == 256 and context == 1024:
+                        for config in DECODE_CONFIGS:
+                            ms = median_ms(lambda: paged_decode_attention(*args, config=config))
+                            rows.append(row(page, f"triton {config}", ms))
+                    k, v = gathered_kv(kv, batch)
+                    q4 = q.unsqueeze(2)
+                    ms = median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
+                    rows.append(row(page, "torch SDPA (gathered contiguous)", ms))
+                    del k, v
+                del kv
+    return rows
+
+
+def bench_prefill(device: torch.device, matmul_tflop_s: float) -> list[dict]:
+    """64 x 512 causal prompts (and the same queries after a 512-token cached prefix) vs SDPA."""
+    rows = []
+    dtype = torch.bfloat16
+    num_q_heads, num_kv_heads = MODELS["3B"]
+    scale = HEAD_DIM**-0.5
+    q = torch.randn(PREFILL_BATCH * PREFILL_LEN, num_q_heads, HEAD_DIM, device=device, dtype=dtype)
+    cu = torch.arange(0, PREFILL_BATCH + 1, dtype=torch.int32, device=device) * PREFILL_LEN
+
+    def row(prefix: int, page: int, variant: str, ms: float) -> dict:
+        # Causal work: each query sees prefix + its own position + 1 keys; QK^T and PV 2 flops each.
+        keys_seen = PREFILL_BATCH * (PREFILL_LEN * prefix + PREFILL_LEN * (PREFILL_LEN + 1) / 2)
+        tflop_s = 4 * keys_seen * num_q_heads * HEAD_DIM / ms / 1e9
+        return {
+            "prefix": prefix, "page": page, "variant": variant, "ms": ms, "tflop_s": tflop_s,
+            "pct_of_matmul": 100 * tflop_s / matmul_tflop_s,
+        }  # fmt: skip
+
+    for prefix in (0, PREFILL_LEN):
+        for page in (128, 256):
+            kv = make_paged_kv([prefix + PREFILL_LEN] * PREFILL_BATCH, num_kv_heads, HEAD_DIM, page, dtype, device)
+            args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, PREFILL_LEN, scale)
+            for config in PREFILL_CONFIGS if (prefix, page) == (0, 128) else (PrefillConfig(),):
+                rows.append(row(prefix, page, f"triton {config}", median_ms(lambda: paged_prefill_attention(*args, config=config))))
+            if prefix == 0 and page == 128:
+                q4 = q.view(PREFILL_BATCH, PREFILL_LEN, num_q_heads, HEAD_DIM).transpose(1, 2)
+                k, v = gathered_kv(kv, PREFILL_BATCH)
+                ms = median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True))
+                rows.append(row(prefix, page, "torch SDPA (contiguous, causal)", ms))
+                del k, v
+    return rows
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    """A fixed-width text table (the device has no rich)."""
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(line[i]) for line in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return "" if value is None else str(value)
+
+
+def run_kernel_bench(json_path: Path | None, sweep_configs: bool = True, echo: Callable[[str], None] = print) -> BenchReport:
+    """Check, then time; print the tables and write them to `json_path` when given."""
+    device = torch.device("cuda")
+    report = BenchReport(device=torch.cuda.get_device_name(device))
+    for dtype in (torch.bfloat16, torch.float16):
+        report.checks += check_kernels(device, dtype)
+    echo(format_table(report.checks, ["kernel", "dtype", "max_abs", "max_rel", "nan", "ok"]))
+    if not report.ok:
+        echo("FAILED: a kernel disagrees with its reference (see above); timings follow anyway")
+    report.ceilings = measure_ceilings(device)
+    echo(f"\nceilings: {report.ceilings}")
+    report.decode = bench_decode(device, report.ceilings["copy_tb_s"], sweep_configs)
+    echo("\n" + format_table(report.decode, ["model", "batch", "context", "page", "variant", "ms", "kv_tb_s", "pct_of_copy"]))
+    report.prefill = bench_prefill(device, report.ceilings["matmul_bf16_tflop_s"])
+    echo("\n" + format_table(report.prefill, ["prefix", "page", "variant", "ms", "tflop_s", "pct_of_matmul"]))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({**report.__dict__, "ok": report.ok}, indent=1, default=str))
+        echo(f"\nwrote {json_path}")
+    return report

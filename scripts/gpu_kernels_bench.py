@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""Check and time the Triton kernels on a GPU in one command (no install needed).
+
+    python scripts/gpu_kernels_bench.py [--no-config-sweep]
+
+Prints the tables of `vlmbatch bench kernels` and writes kernels_bench.json into $OUT
+when it is set; exits 1 when a kernel disagrees with its reference. Runs from a bare
+checkout: `kernels/` installs as `vlmbatch.kernels` only through `pip install -e .`, so
+this script maps it there itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def import_kernels_package() -> None:
+    """Make `vlmbatch.kernels` importable from the checkout, as the editable install does."""
+    sys.path.insert(0, str(REPO))
+    try:
+        import vlmbatch.kernels  # noqa: F401
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(
+            "vlmbatch.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["vlmbatch.kernels"] = module
+        spec.loader.exec_module(module)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-config-sweep", action="store_true", help="skip the launch-config sweeps (faster)")
+    args = parser.parse_args()
+    import_kernels_package()
+    from vlmbatch.kernels.bench import run_kernel_bench
+
+    out = os.environ.get("OUT")
+    report = run_kernel_bench(Path(out) / "kernels_bench.json" if out else None, sweep_configs=not args.no_config_sweep)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
