@@ -203,26 +203,21 @@ def write_large_parquet(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    encoded = [image_bytes(*image_size, seed=s) for s in range(DISTINCT_IMAGES)]
+    encoded = pa.array([image_bytes(*image_size, seed=s) for s in range(DISTINCT_IMAGES)], pa.binary())
+    names = pa.array([f"img-{s}.png" for s in range(DISTINCT_IMAGES)])
+    categories = pa.array(CATEGORIES)
     schema = _parquet_schema("hf_struct", "prompt")
     with pq.ParquetWriter(path, schema) as writer:
         for start in range(0, n_rows, chunk_rows):
             indices = np.arange(start, min(n_rows, start + chunk_rows))
-            picks = indices % DISTINCT_IMAGES
-            images = pa.StructArray.from_arrays(
-                [pa.array([encoded[p] for p in picks], pa.binary()), pa.array([f"img-{p}.png" for p in picks])],
-                fields=list(HF_IMAGE_TYPE),
-            )
-            writer.write_table(
-                pa.table(
-                    {
-                        "id": pa.array([f"row-{i:07d}" for i in indices]),
-                        "prompt": pa.array([DEFAULT_QUESTION] * len(indices)),
-                        "image": images,
-                        "category": pa.array([CATEGORIES[i % 3] for i in indices]),
-                        "index": pa.array(indices, pa.int64()),
-                    },
-                    schema=schema,
-                )
-            )
+            picks = pa.array(indices % DISTINCT_IMAGES)
+            images = pa.StructArray.from_arrays([encoded.take(picks), names.take(picks)], fields=list(HF_IMAGE_TYPE))
+            columns = {
+                "id": pa.array([f"row-{i:07d}" for i in range(start, start + len(indices))]),
+                "prompt": pa.array([DEFAULT_QUESTION] * len(indices)),
+                "image": images,
+                "category": categories.take(pa.array(indices % len(CATEGORIES))),
+                "index": pa.array(indices, pa.int64()),
+            }
+            writer.write_table(pa.table(columns, schema=schema))
     return path
