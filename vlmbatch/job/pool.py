@@ -16,12 +16,15 @@ Three promises, each covered by tests/test_pool.py:
 Each worker has its own task queue (at most `_TASKS_PER_WORKER` rows deep) and its own
 result pipe, which is what lets the parent know exactly which row a dead worker held; a
 shared queue (`concurrent.futures.ProcessPoolExecutor`) loses that and breaks the whole pool
-on one crash. Results travel as plain pickles, not torch shared memory: container
-`/dev/shm` is often 64 MiB and a few hundred rows of pixel tensors would overflow it.
+on one crash. Results travel as pickles through the pipe, not as torch shared memory
+(container `/dev/shm` is often 64 MiB, which a few hundred rows of pixel tensors overflow),
+with tensors pickled as raw bytes: torch's own pickling goes through `torch.save` and costs
+~6x more (4.7 MB of pixel_values: 25 ms vs 4 ms per round trip on this machine).
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import pickle
@@ -63,6 +66,30 @@ def default_num_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+class _TensorPickler(pickle.Pickler):
+    """Pickles CPU tensors as their raw bytes (any dtype, bf16 included)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def _tensor_from_bytes(raw: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.from_numpy(raw.copy()).view(dtype).reshape(shape)  # copy: the received bytes are read-only
+
+
+def _dumps(message: Any) -> memoryview:
+    buffer = io.BytesIO()
+    _TensorPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getbuffer()
+
+
 def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection) -> None:
     """Build the handler once, then answer tasks until the `None` sentinel."""
     import torch
@@ -71,15 +98,15 @@ def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection) 
     try:
         handle = setup(setup_arg)
     except BaseException:  # noqa: BLE001 - any setup failure must reach the parent, not vanish
-        results.send_bytes(pickle.dumps(("setup_error", traceback.format_exc())))
+        results.send_bytes(_dumps(("setup_error", traceback.format_exc())))
         return
-    results.send_bytes(pickle.dumps(("ready", None)))
+    results.send_bytes(_dumps(("ready", None)))
     while (task := tasks.get()) is not None:
         try:
             message = ("result", handle(task))
         except Exception as exc:  # noqa: BLE001 - a bug on one row must not take the others down
             message = ("task_error", f"{type(exc).__name__}: {exc}")
-        results.send_bytes(pickle.dumps(message))
+        results.send_bytes(_dumps(message))
 
 
 @dataclass(eq=False)
