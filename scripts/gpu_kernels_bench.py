@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Check and time the Triton kernels on a GPU in one command (no install needed).
 
-    python scripts/gpu_kernels_bench.py [--no-config-sweep]
+    python scripts/gpu_kernels_bench.py [--no-config-sweep] [--tests]
 
 Prints the tables of `vlmbatch bench kernels` and writes kernels_bench.json into $OUT
-when it is set; exits 1 when a kernel disagrees with its reference. Runs from a bare
+when it is set; exits 1 when a kernel disagrees with its reference. `--tests` first runs
+tests/test_kernels_*.py on the GPU (needs pytest there). Runs from a bare
 checkout: `kernels/` installs as `vlmbatch.kernels` only through `pip install -e .`, so
 this script maps it there itself.
 """
@@ -37,8 +38,15 @@ def import_kernels_package() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-config-sweep", action="store_true", help="skip the launch-config sweeps (faster)")
+    parser.add_argument("--tests", action="store_true", help="run the kernel tests on the GPU first")
     args = parser.parse_args()
     import_kernels_package()
+    if args.tests:
+        import pytest  # in this process, so the tests see the package mapped above
+
+        tests = sorted(str(path) for path in (REPO / "tests").glob("test_kernels_*.py"))
+        if pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(REPO), *tests]) != 0:
+            return 1
     from vlmbatch.kernels.bench import run_kernel_bench
 
     out = os.environ.get("OUT")
