@@ -19,7 +19,8 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from itertools import islice
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,6 +38,7 @@ PARQUET_MAGIC = b"PAR1"
 
 # JSONL column names and passthrough types are inferred from this many leading rows.
 SAMPLE_ROWS = 1000
+SAMPLE_BYTES = 16 * 1024**2
 DEFAULT_BATCH_SIZE = 256
 
 RowBatch = list[tuple[int, "dict[str, Any] | RowError"]]
@@ -205,18 +207,24 @@ class JsonlReader(DatasetReader):
             sample = [row for row in map(_openai_batch_row, sample) if not isinstance(row, RowError)]
         if seen_lines and not sample:
             raise JobError(f"{path}: none of the first {seen_lines} lines is a usable JSON object; is it JSON Lines?")
-        self._sample = sample
         self._column_names = list(dict.fromkeys(key for row in sample for key in row))
+        # Only passthrough candidates are kept: media and messages can be large.
+        self._sample = [{k: v for k, v in row.items() if self._is_passthrough_candidate(k)} for row in sample]
         if seen_lines:
             self._validate_columns()
 
     def _read_sample(self) -> tuple[list[dict[str, Any]], int]:
+        """The parseable objects among the leading lines (bounded by SAMPLE_ROWS and SAMPLE_BYTES)."""
         rows: list[dict[str, Any]] = []
-        seen = 0
-        for batch in self._iter_bytes(0, None, 0, SAMPLE_ROWS, _parse_json_object):
-            seen = len(batch)
-            rows = [row for _, row in batch if not isinstance(row, RowError)]
-            break
+        seen = budget = 0
+        for line in self._lines(0, None):
+            seen += 1
+            budget += len(line)
+            row = _parse_json_object(line)
+            if not isinstance(row, RowError):
+                rows.append(row)
+            if seen >= SAMPLE_ROWS or budget >= SAMPLE_BYTES:
+                break
         return rows, seen
 
     @property
@@ -262,37 +270,27 @@ class JsonlReader(DatasetReader):
     def iter_shard(self, plan: ShardPlan, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
         if plan.byte_start is None or plan.byte_end is None:
             raise ValueError(f"shard {plan.shard_id} has no byte range: not a JSONL plan")
-        return self._iter_bytes(plan.byte_start, plan.byte_end, plan.row_start, batch_size, self._parse_line)
+        return self._batches(plan.byte_start, plan.byte_end, plan.row_start, batch_size)
 
     def iter_rows(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
-        return self._iter_bytes(0, None, 0, batch_size, self._parse_line)
+        return self._batches(0, None, 0, batch_size)
 
-    def _iter_bytes(
-        self,
-        byte_start: int,
-        byte_end: int | None,
-        first_row_id: int,
-        batch_size: int,
-        parse: Callable[[bytes], dict[str, Any] | RowError],
-    ) -> Iterator[RowBatch]:
-        batch: RowBatch = []
-        row_id = first_row_id
-        position = byte_start
+    def _lines(self, byte_start: int, byte_end: int | None) -> Iterator[bytes]:
+        """The non-blank lines that start in [byte_start, byte_end) (None: to the end of the file)."""
         with open(self.path, "rb") as handle:
             handle.seek(byte_start)
+            position = byte_start
             while byte_end is None or position < byte_end:
                 line = handle.readline()
                 if not line:
-                    break
+                    return
                 position += len(line)
-                if not line.strip():
-                    continue
-                batch.append((row_id, parse(line)))
-                row_id += 1
-                if len(batch) >= batch_size:
-                    yield batch
-                    batch = []
-        if batch:
+                if line.strip():
+                    yield line
+
+    def _batches(self, byte_start: int, byte_end: int | None, first_row_id: int, batch_size: int) -> Iterator[RowBatch]:
+        rows = enumerate(map(self._parse_line, self._lines(byte_start, byte_end)), start=first_row_id)
+        while batch := list(islice(rows, batch_size)):
             yield batch
 
     def _parse_line(self, line: bytes) -> dict[str, Any] | RowError:
@@ -312,7 +310,11 @@ class JsonlReader(DatasetReader):
 
 
 class ParquetReader(DatasetReader):
-    """Parquet (HF `Image` columns arrive as {"bytes", "path"} dicts)."""
+    """Parquet (HF `Image` columns arrive as {"bytes", "path"} dicts).
+
+    Rows stream through `ParquetFile.iter_batches`, which decodes one row group at a
+    time: memory is bounded by the largest row group the file was written with.
+    """
 
     format = FORMAT_PARQUET
 
