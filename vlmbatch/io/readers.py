@@ -132,7 +132,15 @@ class DatasetReader(ABC):
 
     @abstractmethod
     def passthrough_schema(self) -> pa.Schema:
-        """The flat scalar input columns copied into every result part."""
+        """The flat scalar input columns copied into every result part (one schema for all parts).
+
+        Excluded: the id, prompt/messages and media columns, nested values, binary
+        blobs, and names that collide with result columns. For JSONL the columns and
+        their types come from the leading sample (SAMPLE_ROWS rows or SAMPLE_BYTES); a
+        column first seen later is not passed through, and a later value that does not
+        fit its column's type becomes null (string columns take any value as its JSON
+        text), as `schema.coerce_scalar` defines.
+        """
 
     def _is_passthrough_candidate(self, name: str) -> bool:
         return name not in self.columns.content_columns() and name != self.columns.id and name not in RESERVED_NAMES
