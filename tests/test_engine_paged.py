@@ -23,6 +23,15 @@ WORDS = "the cat sits on the mat and the dog runs in the park while a person is 
 SYSTEM = "You are a helpful assistant. The user asks a question and the assistant answers it."
 
 
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny matmuls are ~20x slower with two threads on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
     pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels)
