@@ -13,7 +13,6 @@ from typing import Any
 from vlmbatch.engine import create_engine
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.media.types import VideoFrames
 from vlmbatch.models.base import PreparedPrompt
 from vlmbatch.models.registry import load_adapter
 
@@ -39,25 +38,6 @@ def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | Non
     return params
 
 
-def _load_image(ref: Any) -> Any:
-    """A chat part's image: PIL as given, anything else through the media loader."""
-    from PIL import Image
-
-    if isinstance(ref, Image.Image):
-        return ref
-    from vlmbatch.media.image import load_image
-
-    return load_image(ref)
-
-
-def _load_video(ref: Any) -> VideoFrames:
-    if isinstance(ref, VideoFrames):
-        return ref
-    from vlmbatch.media.video import load_video
-
-    return load_video(ref)
-
-
 class LLM:
     """A model loaded once, with its adapter and engine.
 
@@ -76,9 +56,14 @@ class LLM:
         max_batch_size: int | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
+        media_io_kwargs: dict[str, Any] | None = None,
         **engine_kwargs: Any,
     ):
+        from vlmbatch.media.loader import MediaLoader
+
         self.model_name = str(model)
+        # chat() loads image_url/video_url parts like a batch job would: local paths allowed.
+        self.media = MediaLoader(media_io_kwargs=media_io_kwargs)
         self.adapter = load_adapter(self.model_name, chat_template=chat_template, trust_remote_code=trust_remote_code)
         self.engine = create_engine(
             engine, self.adapter, dtype=dtype, device=device, max_batch_size=max_batch_size, seed=seed, **engine_kwargs
@@ -134,8 +119,8 @@ class LLM:
         for conversation, sp in zip(conversations, params):
             _, image_refs, video_refs = parse_chat_messages(conversation)
             prompt = self.adapter.apply_chat_template(conversation)
-            images = [_load_image(ref) for ref in image_refs]
-            videos = [_load_video(ref) for ref in video_refs]
+            images = [self.media.image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
+            videos = [self.media.video(ref, f"video[{i}]") for i, ref in enumerate(video_refs)]
             prepared = self.adapter.prepare(prompt, images, videos, max_tokens=sp.max_tokens)
             requests.append((self._next_request_id(), prepared, sp))
         return self._run_in_order(requests, use_tqdm)

@@ -24,16 +24,16 @@ _PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_ty
 
 
 def media_hash(media: Any) -> str:
-    """sha256 of an image's or video's pixels (with shape/mode), so equal content shares cache entries."""
-    digest = hashlib.sha256()
-    if isinstance(media, VideoFrames):
-        frames = media.frames
-        pixels = frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
-        digest.update(f"video{pixels.shape}{media.sampled_fps}".encode())
-        digest.update(np.ascontiguousarray(pixels).tobytes())
-    else:
-        digest.update(f"image{media.mode}{media.size}".encode())
-        digest.update(media.tobytes())
+    """A digest of an image's or video's pixels, so equal content shares cache entries
+    whatever its source (images use the media layer's own digest)."""
+    if not isinstance(media, VideoFrames):
+        from vlmbatch.media.image import content_hash
+
+        return content_hash(media)
+    frames = media.frames
+    pixels = frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+    digest = hashlib.sha256(f"video:{pixels.shape}:{media.sampled_fps}:".encode())
+    digest.update(np.ascontiguousarray(pixels).tobytes())
     return digest.hexdigest()
 
 
