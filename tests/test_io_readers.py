@@ -186,3 +186,13 @@ def test_directory_and_remapped_columns(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "q.jsonl", [b'{"uid": 1, "question": "q", "picture": "a.png", "k": 2}\n'])
     reader = open_dataset(path, ColumnMap(id="uid", prompt="question", image="picture"))
     assert reader.passthrough_schema().names == ["k"]
+
+
+def test_recorded_format_skips_detection(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "rows.txt", [b'\xef\xbb\xbf{"prompt": "a"}\n'])  # BOM, unknown extension
+    with pytest.raises(JobError, match="unknown dataset format"):
+        open_dataset(path)
+    reader = open_dataset(path, format=FORMAT_JSONL)
+    assert [row for batch in reader.iter_rows() for _, row in batch] == [{"prompt": "a"}]
+    with pytest.raises(JobError, match="unknown dataset format 'csv'"):
+        open_dataset(path, format="csv")
