@@ -38,3 +38,15 @@ def tiny_qwen2(tiny_model_dir: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llava(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("llava")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped where there is no CUDA device (the CPU machines)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

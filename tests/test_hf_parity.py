@@ -39,15 +39,19 @@ def _cases(arch: str) -> list[tuple[str, list[Image.Image]]]:
 
 
 @functools.cache
-def _hf_model(path):
-    return AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+def _hf_model(path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return AutoProcessor.from_pretrained(path), model.to(device).eval()
 
 
-def _hf_generate(path, prompts: list[str], images: list[list[Image.Image]]) -> list[list[int]]:
+def _hf_generate(
+    path, prompts: list[str], images: list[list[Image.Image]], device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
     """The reference: the checkpoint's own processor and `generate()`, nothing of ours."""
-    processor, model = _hf_model(path)
+    processor, model = _hf_model(path, device, dtype)
     flat = [img for imgs in images for img in imgs]
     inputs = processor(text=prompts, images=flat, padding=True, padding_side="left", return_tensors="pt")
+    inputs = inputs.to(device, dtype=dtype)  # casts the pixels only, as our engine does
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
     eos = model.generation_config.eos_token_id
@@ -88,3 +92,19 @@ def test_batched_prompts_match_generate(arch_and_llm):
     )
     assert [o.outputs[0].token_ids for o in outputs] == _hf_generate(path, prompts, images)
     assert all(len(o.outputs[0].token_ids) > 0 for o in outputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_prompts_match_generate_on_cuda_bf16(tiny_model_dir, arch):
+    """The same oracle on the GPU, in the dtype production runs use."""
+    path = tiny_model_dir(arch)
+    llm = LLM(str(path), engine="hf", device="cuda", dtype="bfloat16")
+    cases = _cases(arch)
+    outputs = llm.generate(
+        [{"prompt": p, "multi_modal_data": {"image": imgs}} for p, imgs in cases],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+        use_tqdm=False,
+    )
+    reference = _hf_generate(path, [p for p, _ in cases], [i for _, i in cases], "cuda", torch.bfloat16)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
