@@ -19,7 +19,7 @@ from vlmbatch.engine.runner import ModelRunner
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
 from vlmbatch.engine.sequence import MultimodalData, Sequence, SequenceStatus
-from vlmbatch.engine.models.vlm import build_model
+from vlmbatch.engine.models.vlm import FAMILIES, build_model
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.models.base import ModelAdapter, PreparedPrompt
 
@@ -71,7 +71,10 @@ class PagedEngine(Engine):
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         max_model_len: int | None = None,
+        hf_model: torch.nn.Module | None = None,
     ):
+        """`hf_model`: an already loaded `transformers` model of `model_path` on the target
+        device (benchmarks); its language model is taken over and dropped from it."""
         from vlmbatch.models.registry import load_hf_model, resolve_device, resolve_dtype
 
         super().__init__(adapter)
@@ -80,7 +83,8 @@ class PagedEngine(Engine):
         self.device = target
         self.max_model_len = min(max_model_len or adapter.max_model_len, adapter.max_model_len)
         block_size = block_size or (16 if target.type == "cpu" else 256)
-        self.model = build_model(load_hf_model(model_path, torch_dtype, str(target)), target, torch_dtype)
+        hf_model = hf_model if hf_model is not None else load_hf_model(model_path, torch_dtype, str(target))
+        self.model = build_model(hf_model, target, torch_dtype)
         self.backend = create_backend(attention_backend, target)
         self.runner = ModelRunner(
             self.model, self.backend, target, block_size, max_num_seqs, max_num_batched_tokens,
@@ -94,6 +98,11 @@ class PagedEngine(Engine):
         self.detokenizers: dict[str, _Detokenizer] = {}
         self.stats = EngineStats()
         self._arrivals = 0
+
+    @classmethod
+    def is_supported(cls, adapter: ModelAdapter) -> bool:
+        """Every family with an engine decoder, on CPU and GPU (`create_engine`'s `auto`)."""
+        return adapter.family in FAMILIES
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:

@@ -19,6 +19,7 @@ from vlmbatch.engine.scheduler import ScheduledBatch
 from vlmbatch.engine.sequence import Sequence
 
 _ACTIVATION_RESERVE_BYTES = 2 << 30  # vision tower and sampling workspace beyond the measured prefill peak
+_CPU_KV_CACHE_BYTES = 1 << 30  # default cache on the CPU, where free memory says little
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -70,7 +71,7 @@ class ModelRunner:
         """What is left of `utilization` x device memory after the weights and the peak of
         a full-budget prefill (measured by running one)."""
         if self.device.type != "cuda":
-            raise ValueError("num_kv_blocks must be given on the CPU")
+            return max(1, _CPU_KV_CACHE_BYTES // self._block_bytes())
         num_tokens = max_num_batched_tokens
         blocks = (num_tokens + self.block_size - 1) // self.block_size
         self.kv_caches = self._allocate_cache(blocks + 1)
@@ -172,22 +173,22 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------
     @torch.no_grad()
+    def forward_logits(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Run the step; return the sequences that reach their last token and its logits."""
+        if not batch.is_prefill:
+            return batch.seqs, self._decode_logits(batch.seqs)
+        embeds, positions, meta = self._prefill_inputs(batch)
+        hidden = self.decoder(embeds, positions, self.kv_caches, meta, self.backend)
+        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == len(s)]
+        last = torch.tensor(meta.q_lens).cumsum(0)[done] - 1
+        return [batch.seqs[i] for i in done], self.decoder.compute_logits(hidden[last.to(self.device)])
+
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
         """Run the step; return the sequences that got a next token and those tokens."""
-        if batch.is_prefill:
-            embeds, positions, meta = self._prefill_inputs(batch)
-            hidden = self.decoder(embeds, positions, self.kv_caches, meta, self.backend)
-            done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == len(s)]
-            if not done:
-                return [], []
-            last = torch.tensor(meta.q_lens).cumsum(0)[done] - 1
-            logits = self.decoder.compute_logits(hidden[last.to(self.device)])
-            seqs = [batch.seqs[i] for i in done]
-        else:
-            seqs = batch.seqs
-            logits = self._decode_logits(seqs)
-        params = [s.params for s in seqs]
-        sampling = SamplingBatch.build(params, [s.num_output_tokens for s in seqs], self.device)
+        seqs, logits = self.forward_logits(batch)
+        if not seqs:
+            return [], []
+        sampling = SamplingBatch.build([s.params for s in seqs], [s.num_output_tokens for s in seqs], self.device)
         return seqs, sample(logits, sampling).tolist()
 
     def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -201,6 +202,13 @@ class ModelRunner:
         return self._replay(graph_size, ids, positions, slots, [s.block_table for s in seqs], ctx)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
+    def use_backend(self, backend: AttentionBackend) -> None:
+        """Switch attention backends (benchmarks compare them on one loaded model)."""
+        self.backend = backend
+        if self.graphs:
+            self.graphs.clear()
+            self._capture_decode_graphs(len(self.static["ids"]))
+
     def _capture_decode_graphs(self, max_num_seqs: int) -> None:
         n = max_num_seqs
         self.static = {
