@@ -1,0 +1,126 @@
+"""Video decoding throughput: each backend against the `ffmpeg` command line on the same frames.
+
+For a 720p h264 clip (encoder-default keyframe spacing, and one keyframe per
+second) and 16 / 64 uniformly sampled frames, every backend serves `requests`
+loads on `threads` concurrent loader threads (how a worker loads media); the
+`ffmpeg` CLI extracting the same frames, in the same run, is the reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vlmbatch.media.video import load_video, parse_video_options
+from vlmbatch.media.video.probe import probe_stream
+from vlmbatch.media.video.sampling import plan_frames
+from vlmbatch.media.video.source import VideoSource
+
+# Clip label -> keyframe interval in frames (None: libx264's default, 250).
+CLIP_KINDS = {"default_gop": None, "keyframe_1s": 30}
+
+
+@dataclass
+class BenchResult:
+    clip: str
+    backend: str
+    frames: int
+    threads: int
+    requests: int
+    seconds: float
+    frames_per_s: float
+    requests_per_s: float
+    frame_indices_match: bool = True
+    slowdown_vs_best: float = 1.0
+
+
+def make_bench_clip(directory: Path, label: str, seconds: int, width: int, height: int, fps: int = 30) -> Path:
+    """A `testsrc2` h264 clip, made once and kept in `directory` (encoding is the slow part)."""
+    keyint = CLIP_KINDS[label]
+    path = directory / f"{label}_{width}x{height}_{seconds}s.mp4"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    gop = ["-g", str(keyint)] if keyint else []
+    partial = path.with_suffix(".partial.mp4")
+    subprocess.run(
+        ["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-f", "lavfi",
+         "-i", f"testsrc2=size={width}x{height}:rate={fps}:duration={seconds}",
+         "-c:v", "libx264", "-preset", "veryfast", "-pix_fmt", "yuv420p", *gop, str(partial)],
+        check=True,
+    )
+    partial.replace(path)
+    return path
+
+
+def sampled_indices(path: Path, frames: int) -> list[int]:
+    index = probe_stream(VideoSource(name=path.name, path=str(path)))
+    return plan_frames(index.timestamps, parse_video_options({"num_frames": frames})).indices
+
+
+def time_requests(load_once: Callable[[], object], requests: int, threads: int) -> float:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(lambda _: load_once(), range(requests)))
+    return time.perf_counter() - started
+
+
+def ffmpeg_extract(path: Path, indices: Sequence[int]) -> None:
+    """The reference: the `ffmpeg` CLI decoding the clip and keeping the same frames as RGB."""
+    selection = "+".join(f"eq(n\\,{i})" for i in sorted(set(indices)))
+    subprocess.run(
+        ["ffmpeg", "-hide_banner", "-loglevel", "error", "-i", str(path), "-vf", f"select='{selection}'",
+         "-fps_mode", "passthrough", "-pix_fmt", "rgb24", "-f", "rawvideo", "-"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+
+
+def run_video_bench(
+    clip_dir: Path,
+    backends: Sequence[str],
+    frame_counts: Sequence[int],
+    thread_counts: Sequence[int],
+    requests_per_thread: int,
+    seconds: int,
+    width: int,
+    height: int,
+    on_result: Callable[[BenchResult], None] = lambda result: None,
+) -> list[BenchResult]:
+    results: list[BenchResult] = []
+    for label in CLIP_KINDS:
+        path = make_bench_clip(clip_dir, label, seconds, width, height)
+        for frames in frame_counts:
+            expected = sampled_indices(path, frames)
+            for threads in thread_counts:
+                requests = threads * requests_per_thread
+                group: list[BenchResult] = []
+                if shutil.which("ffmpeg"):
+                    elapsed = time_requests(lambda: ffmpeg_extract(path, expected), requests, threads)
+                    group.append(_result(label, "ffmpeg-cli", frames, threads, requests, elapsed, True))
+                for backend in backends:
+                    options = parse_video_options({"backend": backend, "num_frames": frames})
+                    matched = load_video(str(path), options).frame_indices == expected  # also warms up
+                    elapsed = time_requests(lambda: load_video(str(path), options), requests, threads)
+                    group.append(_result(label, backend, frames, threads, requests, elapsed, matched))
+                best = min(r.seconds for r in group if r.backend != "ffmpeg-cli") if backends else 0.0
+                for result in group:
+                    result.slowdown_vs_best = result.seconds / best if best else 1.0
+                    on_result(result)
+                results.extend(group)
+    return results
+
+
+def _result(clip: str, backend: str, frames: int, threads: int, requests: int, elapsed: float, matched: bool) -> BenchResult:
+    return BenchResult(
+        clip=clip, backend=backend, frames=frames, threads=threads, requests=requests, seconds=elapsed,
+        frames_per_s=frames * requests / elapsed, requests_per_s=requests / elapsed, frame_indices_match=matched,
+    )
+
+
+def results_as_json(results: Sequence[BenchResult], settings: dict) -> dict:
+    return {"benchmark": "video", "settings": settings, "results": [asdict(r) for r in results]}
