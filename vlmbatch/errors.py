@@ -39,6 +39,10 @@ class RowError(Exception):
     def __repr__(self) -> str:
         return f"RowError({self.error_type!r}, {self.message!r})"
 
+    def __reduce__(self) -> tuple:
+        """Pickle with all three fields: rows cross process boundaries (preprocessing pool)."""
+        return type(self), (self.error_type, self.message, self.param)
+
 
 class JobError(Exception):
     """A failure of the whole job, reported at submit with a one-line message."""

@@ -1,0 +1,98 @@
+"""`prepare_rows_parallel` with a real tiny model, real media and real worker processes:
+the same prepared rows as the sequential path, and a crashing row confined to itself."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.errors import ErrorType
+from vlmbatch.io.manifest import Manifest
+from vlmbatch.io.readers import open_dataset
+from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+from vlmbatch.job.prepare import PreparedRow, prepare_rows
+from vlmbatch.models.base import ModelAdapter
+from vlmbatch.testing.data import write_image_dataset
+
+CRASH_WORD = "CRASH-THE-WORKER"
+
+
+@dataclass(frozen=True)
+class CrashingAdapterSpec(AdapterSpec):
+    """Loads the real adapter, made to kill its process on prompts with CRASH_WORD (a decoder segfault)."""
+
+    def load(self) -> ModelAdapter:
+        adapter = super().load()
+        prepare = adapter.prepare
+
+        def crash_or_prepare(prompt: str, *args: Any, **kwargs: Any) -> Any:
+            if CRASH_WORD in prompt:
+                os._exit(139)
+            return prepare(prompt, *args, **kwargs)
+
+        adapter.prepare = crash_or_prepare  # type: ignore[method-assign]
+        return adapter
+
+
+def _job(tmp_path: Path, model: Path, crash_row: int | None = None) -> tuple[Manifest, list[tuple[int, Any]]]:
+    dataset = write_image_dataset(tmp_path / "rows.jsonl", 10, image_mode="data_url", image_format="JPEG",
+                                  bad_rows={2: "corrupt"})  # fmt: skip
+    if crash_row is not None:
+        lines = dataset.read_text().splitlines()
+        row = json.loads(lines[crash_row])
+        row["messages"][0]["content"] = f"{CRASH_WORD}: what is this?"
+        lines[crash_row] = json.dumps(row)
+        dataset.write_text("\n".join(lines) + "\n")
+    reader = open_dataset(dataset)
+    manifest = Manifest.for_dataset(reader, output_dir=tmp_path / "out", model=str(model), engine="hf",
+                                    sampling={"max_tokens": 4}, shard_size=100)  # fmt: skip
+    rows = [row for batch in reader.iter_rows() for row in batch]
+    return manifest, rows
+
+
+def _by_row(items: list[PreparedRow]) -> dict[int, PreparedRow]:
+    return {item.row_id: item for item in items}
+
+
+def test_parallel_rows_equal_the_sequential_ones(tmp_path: Path, tiny_qwen: Path) -> None:
+    manifest, rows = _job(tmp_path, tiny_qwen)
+    defaults = SamplingParams(max_tokens=4)
+    spec = AdapterSpec(str(tiny_qwen))
+    expected = _by_row(list(prepare_rows(rows, manifest, spec.load(), defaults)))
+    got = _by_row(list(prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=2, max_pending=4)))
+    assert sorted(got) == sorted(expected) == list(range(10))
+    assert got[2].error is not None and got[2].error.error_type == ErrorType.MEDIA_DECODE
+    for row_id, item in expected.items():
+        if row_id == 2:
+            continue
+        assert item.prepared is not None and got[row_id].prepared is not None
+        assert got[row_id].prepared.prompt_token_ids == item.prepared.prompt_token_ids
+        assert got[row_id].prepared.mm_hashes == item.prepared.mm_hashes
+        for key, tensor in item.prepared.mm_inputs.items():
+            assert torch.equal(got[row_id].prepared.mm_inputs[key], tensor)
+
+
+def test_a_row_that_kills_its_worker_becomes_a_worker_crash_row(tmp_path: Path, tiny_qwen: Path) -> None:
+    manifest, rows = _job(tmp_path, tiny_qwen, crash_row=5)
+    spec = CrashingAdapterSpec(str(tiny_qwen))
+    got = _by_row(list(prepare_rows_parallel(rows, manifest, spec, SamplingParams(max_tokens=4), num_workers=2)))
+    assert sorted(got) == list(range(10))
+    assert got[5].error is not None and got[5].error.error_type == ErrorType.WORKER_CRASH
+    assert got[5].raw["id"] == "row-00005"  # the row keeps its input for the result columns
+    assert all(got[row_id].prepared is not None for row_id in range(10) if row_id not in (2, 5))
+
+
+def test_zero_workers_prepares_in_order_in_this_thread(
+    tmp_path: Path, tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "0")
+    manifest, rows = _job(tmp_path, tiny_qwen)
+    got = list(prepare_rows_parallel(rows, manifest, AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4)))
+    assert [item.row_id for item in got] == list(range(10))
