@@ -22,6 +22,12 @@ _ACTIVATION_RESERVE_BYTES = 2 << 30  # vision tower and sampling workspace beyon
 _CPU_KV_CACHE_BYTES = 1 << 30  # default cache on the CPU, where free memory says little
 
 
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int32 [num_seqs, longest] host tensor, unused entries -1."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8]
     while sizes[-1] < max_num_seqs:
@@ -107,8 +113,7 @@ class ModelRunner:
 
     # ---- inputs -----------------------------------------------------------------------
     def _metadata(self, is_prefill: bool, slot_mapping: list[int], block_tables: list[list[int]], q_lens: list[int], context_lens: list[int]) -> AttentionMetadata:
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        tables = _padded_tables(block_tables)
         cu_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         cu_k = torch.tensor([0, *context_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         to = dict(device=self.device, non_blocking=True)
@@ -166,10 +171,17 @@ class ModelRunner:
         return embeds, torch.cat(positions, dim=-1).to(self.device, non_blocking=True), meta
 
     def _decode_host_inputs(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor, list[int], list[int]]:
-        ids = [s.token_ids[-1] for s in seqs]
-        positions = torch.cat([self._positions(s, len(s) - 1, len(s)) for s in seqs], dim=-1)
-        slots = [self._slots(s, len(s) - 1, len(s))[0] for s in seqs]
-        return ids, positions, slots, [len(s) for s in seqs]
+        """Plain lists built in one pass: this runs every decode step for every sequence."""
+        bs = self.block_size
+        ids, positions, slots, lens = [], [], [], []
+        for s in seqs:
+            n = len(s)
+            ids.append(s.token_ids[-1])
+            positions.append(n - 1 + (s.mm.rope_delta if s.mm is not None else 0))
+            slots.append(s.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
+            lens.append(n)
+        position_tensor = torch.tensor(positions)
+        return ids, position_tensor.expand(3, -1) if self.model.mrope else position_tensor, slots, lens
 
     # ---- forward ----------------------------------------------------------------------
     @torch.no_grad()
@@ -259,10 +271,8 @@ class ModelRunner:
         meta.slot_mapping[:n].copy_(torch.tensor(slots).to(**to))
         meta.context_lens[:size].fill_(1)
         meta.context_lens[:n].copy_(torch.tensor(ctx, dtype=torch.int32).to(**to))
-        width = max(len(t) for t in tables)
-        host_tables = torch.full((n, width), -1, dtype=torch.int32)
-        for row, table in enumerate(tables):
-            host_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        host_tables = _padded_tables(tables)
+        width = host_tables.shape[1]
         meta.block_tables[:size].fill_(-1)
         meta.block_tables[n:size, 0] = self.num_kv_blocks
         meta.block_tables[:n, :width].copy_(host_tables.to(**to))

@@ -1,0 +1,392 @@
+"""`vlmbatch bench engine`: the paged engine against the `generate()` peer, and against
+`transformers` fp32 logits, on real model shapes with random weights.
+
+Workloads (Qwen2.5-VL shapes): W1 = N requests, one 448x448 image each (256 image
+tokens) in a 288-token prompt, exactly 128 output tokens; W2 = W1 with output lengths
+uniform in 16..512. The peer runs static batches through `generate()` (a batch lasts as
+long as its longest request). The roofline of a decode step is computed from its bytes
+(weights + KV read) and FLOPs against ceilings measured on the same device (a
+device-to-device copy and a large bf16 matmul).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.models.base import PreparedPrompt
+
+# Published Qwen2.5-VL configs (text and vision sizes only; no download needed);
+# "tiny" keeps the test checkpoint's sizes (CPU smoke runs of this module).
+SHAPES: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"text": {}, "vision": {}},
+    "3b": {
+        "text": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                     intermediate_size=11008, vocab_size=151936, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True),
+        "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+    },
+    "7b": {
+        "text": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     intermediate_size=18944, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+        "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+    },
+}
+ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
+IMAGE_TOKENS, PROMPT_TOKENS, W1_OUTPUT, W2_RANGE = 256, 288, 128, (16, 512)
+
+
+# ---- models ---------------------------------------------------------------------------
+def random_model(shape: str, workdir: Path, dtype: torch.dtype, device: torch.device):
+    """(adapter, HF model with random weights) of a Qwen2.5-VL size, built in memory.
+
+    The tiny checkpoint supplies tokenizer, processor and special-token ids; its config
+    is rewritten with the real sizes so the adapter sees the real context length."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmbatch.models.registry import load_adapter
+    from vlmbatch.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(workdir / f"qwen2_5_vl-{shape}", "qwen2_5_vl")
+    config = AutoConfig.from_pretrained(path)
+    if SHAPES[shape]["text"]:
+        for key, value in SHAPES[shape]["text"].items():
+            setattr(config.text_config, key, value)
+        config.text_config.rope_parameters = dict(ROPE)
+        for key, value in SHAPES[shape]["vision"].items():
+            setattr(config.vision_config, key, value)
+        config.tie_word_embeddings = SHAPES[shape]["text"]["tie_word_embeddings"]
+        config.save_pretrained(path)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return load_adapter(str(path)), model.eval()
+
+
+def real_model(path: str, dtype: torch.dtype, device: torch.device):
+    from vlmbatch.models.registry import load_adapter, load_hf_model
+
+    return load_adapter(path), load_hf_model(path, dtype, str(device))
+
+
+# ---- workloads ------------------------------------------------------------------------
+def w1_prompts(adapter, count: int, seed: int = 0) -> list[PreparedPrompt]:
+    """`count` 288-token prompts, each with its own 448x448 image (256 tokens after the merge).
+
+    Pixels are random and shared (content does not change the cost); each request gets
+    its own content hash, so nothing is served from the encoder or prefix caches."""
+    config = adapter.config
+    rng = random.Random(seed)
+    specials = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
+    words = [t for t in range(100, len(adapter.tokenizer)) if t not in specials and t not in adapter.eos_token_ids]
+    side = int(IMAGE_TOKENS**0.5) * 2  # patches per side before the 2x2 merge
+    patch = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    pixels = torch.randn(side * side, patch)
+    grid = torch.tensor([[1, side, side]])
+    text = PROMPT_TOKENS - IMAGE_TOKENS - 2
+    prompts = []
+    for i in range(count):
+        before = [rng.choice(words) for _ in range(text // 4)]
+        after = [rng.choice(words) for _ in range(text - len(before))]
+        ids = before + [config.vision_start_token_id] + [config.image_token_id] * IMAGE_TOKENS + [config.vision_end_token_id] + after
+        prompts.append(PreparedPrompt(ids, {"pixel_values": pixels, "image_grid_thw": grid}, mm_hashes=[f"bench-{seed}-{i}"]))
+    return prompts
+
+
+def output_lengths(workload: str, count: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [W1_OUTPUT] * count if workload == "w1" else [rng.randint(*W2_RANGE) for _ in range(count)]
+
+
+@dataclass
+class RunResult:
+    engine: str
+    workload: str
+    requests: int
+    seconds: float
+    output_tokens: int
+    decode_step_ms: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], workload: str) -> RunResult:
+    """All requests queued at once, stepped to the end; decode-step time is the median wall
+    time of decode steps (each ends in a host copy of the sampled tokens, so it is synced)."""
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"{workload}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    decode_times, generated = [], 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        was_decode = engine.stats.num_decode_steps
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        if engine.stats.num_decode_steps > was_decode:
+            decode_times.append(time.perf_counter() - step_start)
+        generated += sum(1 for o in outputs if o.outputs)
+    seconds = time.perf_counter() - start
+    return RunResult("paged", workload, len(prompts), seconds, generated,
+                     1000 * statistics.median(decode_times) if decode_times else None, asdict(engine.stats))
+
+
+def _hf_inputs(adapter, prompts: list[PreparedPrompt], device: torch.device) -> dict[str, torch.Tensor]:
+    """One static batch; W1/W2 prompts all have the same length, so no padding is needed."""
+    ids = torch.tensor([p.prompt_token_ids for p in prompts])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": adapter.mm_token_type_ids(ids)}
+    for key in prompts[0].mm_inputs:
+        inputs[key] = torch.cat([p.mm_inputs[key] for p in prompts])
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+@torch.no_grad()
+def run_peer(hf_model, adapter, prompts: list[PreparedPrompt], lengths: list[int], batch_size: int, workload: str, device: torch.device) -> RunResult:
+    """`generate()` over static batches; each batch runs to its longest request, and only
+    each request's own tokens count as output."""
+    start = time.perf_counter()
+    for at in range(0, len(prompts), batch_size):
+        longest = max(lengths[at : at + batch_size])
+        hf_model.generate(**_hf_inputs(adapter, prompts[at : at + batch_size], device),
+                          max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+    _sync(device)
+    return RunResult(f"hf-generate-b{batch_size}", workload, len(prompts), time.perf_counter() - start, sum(lengths))
+
+
+# ---- correctness ----------------------------------------------------------------------
+@torch.no_grad()
+def reference_logits(hf_model, adapter, prompts: list[PreparedPrompt], continuations: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """`transformers` logits of each prompt's last token and of each continuation token
+    (one forward over prompt + continuation), fp32 on the host."""
+    out = []
+    for prompt, continuation in zip(prompts, continuations):
+        full = PreparedPrompt(prompt.prompt_token_ids + list(continuation), prompt.mm_inputs)
+        logits = hf_model(**_hf_inputs(adapter, [full], device)).logits[0]
+        out.append(logits[prompt.num_tokens - 1 :].float().cpu())
+    return out
+
+
+def relative_errors(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> dict[str, float]:
+    """Per-position ||ours - ref|| / ||ref|| (max and mean) and top-1 agreement."""
+    rel = torch.cat([(o - r).norm(dim=-1) / r.norm(dim=-1) for o, r in zip(ours, reference)])
+    agree = torch.cat([(o.argmax(-1) == r.argmax(-1)).float() for o, r in zip(ours, reference)])
+    return {"max_rel_err": rel.max().item(), "mean_rel_err": rel.mean().item(), "top1_agreement": agree.mean().item()}
+
+
+@dataclass
+class LogitReference:
+    """Forced continuations, `transformers` fp32 logits for them, and the error bound."""
+
+    prompts: list[PreparedPrompt]
+    continuations: list[list[int]]
+    logits: list[torch.Tensor]
+    bound: float
+    transformers_low_precision: dict[str, float] | None
+
+
+def logit_reference(hf_model, adapter, prompts: list[PreparedPrompt], decode_steps: int, device: torch.device) -> LogitReference:
+    """Reference logits from an fp32 copy of `hf_model`. When `hf_model` itself is in a
+    lower precision, its own error against fp32 sets the bound: ours may be off by at
+    most twice what `transformers` loses (and 2e-2 at least); in fp32 the bound is 1e-4."""
+    rng = random.Random(1)
+    continuations = [[rng.randrange(100, len(adapter.tokenizer)) for _ in range(decode_steps)] for _ in prompts]
+    low_precision = hf_model.dtype != torch.float32
+    fp32 = copy.deepcopy(hf_model).float() if low_precision else hf_model
+    logits = reference_logits(fp32, adapter, prompts, continuations, device)
+    del fp32
+    _free(device)
+    hf_errors = relative_errors(reference_logits(hf_model, adapter, prompts, continuations, device), logits) if low_precision else None
+    bound = max(2 * hf_errors["max_rel_err"], 2e-2) if hf_errors else 1e-4
+    return LogitReference(prompts, continuations, logits, bound, hf_errors)
+
+
+def check_backends(engine, reference: LogitReference, backends: list[str]) -> dict[str, Any]:
+    """Our teacher-forced logits with each attention backend against the reference."""
+    from vlmbatch.engine.attention import create_backend
+
+    report: dict[str, Any] = {"positions_per_prompt": len(reference.continuations[0]) + 1, "prompts": len(reference.prompts),
+                              "bound_max_rel_err": reference.bound, "transformers_low_precision": reference.transformers_low_precision,
+                              "backends": {}}
+    for name in backends:
+        engine.runner.use_backend(create_backend(name, engine.device))
+        errors = relative_errors(engine.teacher_forced_logits(reference.prompts, reference.continuations), reference.logits)
+        report["backends"][name] = dict(errors, ok=errors["max_rel_err"] <= reference.bound)
+    engine.runner.use_backend(create_backend("auto", engine.device))
+    return report
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- roofline -------------------------------------------------------------------------
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on `device`."""
+
+    def timed(fn: Callable[[], Any], repeats: int = 20) -> float:
+        fn()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        _sync(device)
+        return (time.perf_counter() - start) / repeats
+
+    src = torch.empty(1 << (30 if device.type == "cuda" else 26), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src))
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    matmul_s = timed(lambda: a @ a, repeats=10)
+    return {"copy_bytes_per_s": 2 * src.numel() / copy_s, "matmul_flops_per_s": 2 * n**3 / matmul_s}
+
+
+def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode step of `batch` sequences with `context` cached tokens:
+    every weight but the embedding table is read once; each sequence reads its KV."""
+    params = sum(p.numel() for name, p in decoder.named_parameters() if not name.startswith("embed_tokens"))
+    itemsize = decoder.embed_tokens.weight.dtype.itemsize
+    layers, kv_heads, head_dim = len(decoder.layers), decoder.num_kv_heads, decoder.head_dim
+    q_heads = decoder.layers[0].self_attn.num_heads
+    kv_bytes = batch * context * layers * 2 * kv_heads * head_dim * itemsize
+    flops = 2 * params * batch + batch * layers * 4 * context * q_heads * head_dim
+    return params * itemsize + kv_bytes, flops
+
+
+def decode_roofline(engine, adapter, batch: int, ceilings: dict[str, float], steps: int = 32) -> dict[str, float]:
+    """Measured decode-step time at `batch` sequences vs the time the ceilings allow."""
+    prompts = w1_prompts(adapter, batch, seed=batch)
+    result = run_engine(engine, prompts, [steps] * batch, f"decode-b{batch}")
+    context = PROMPT_TOKENS + steps // 2
+    nbytes, flops = decode_step_cost(engine.model.decoder, batch, context)
+    bound_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
+    measured_s = result.decode_step_ms / 1000
+    return {"batch": batch, "context": context, "decode_step_ms": result.decode_step_ms, "roofline_ms": 1000 * bound_s,
+            "pct_of_roofline": 100 * bound_s / measured_s, "bytes": nbytes, "flops": flops}
+
+
+# ---- the whole benchmark ----------------------------------------------------------------
+@dataclass
+class BenchOptions:
+    shape: str = "3b"
+    model: str | None = None  # real weights instead of random ones
+    requests: int = 1024
+    peer_requests: int = 256  # the peer is slow: it runs this many and reports rates
+    peer_batches: tuple[int, ...] = (64, 128)
+    workloads: tuple[str, ...] = ("w1", "w2")
+    backends: tuple[str, ...] = ()  # attention backends to check; () = every available one
+    check_prompts: int = 4
+    decode_steps: int = 32
+    decode_batches: tuple[int, ...] = (1, 64)
+    extra_shapes: tuple[str, ...] = ("7b",)  # decode roofline only
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    gpu_memory_utilization: float = 0.85
+    device: str = "auto"
+
+
+def _row(r: RunResult) -> str:
+    step = f"{r.decode_step_ms:8.2f}" if r.decode_step_ms else "       -"
+    return f"{r.engine:18s} {r.workload:4s} {r.requests:6d} req {r.requests_per_s:9.2f} req/s {r.output_tokens_per_s:10.0f} out tok/s  decode step {step} ms"
+
+
+def _roofline_row(shape: str, row: dict[str, float]) -> str:
+    return (f"decode {shape} batch {row['batch']:4d}: {row['decode_step_ms']:.2f} ms/step, roofline {row['roofline_ms']:.2f} ms "
+            f"= {row['pct_of_roofline']:.0f}% of roofline")
+
+
+def _summary(results: list[RunResult]) -> dict[str, Any]:
+    """Our rate per workload and its ratio to the best peer batch size."""
+    summary = {}
+    for workload in {r.workload for r in results}:
+        ours = [r for r in results if r.workload == workload and r.engine == "paged"]
+        peers = [r for r in results if r.workload == workload and r.engine != "paged"]
+        if ours:
+            best_peer = max((p.requests_per_s for p in peers), default=None)
+            summary[workload] = {"paged_requests_per_s": ours[0].requests_per_s, "best_peer_requests_per_s": best_peer,
+                                 "speedup": ours[0].requests_per_s / best_peer if best_peer else None}
+    return summary
+
+
+def _paged_engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int):
+    from vlmbatch.engine.paged import PagedEngine
+
+    return PagedEngine(
+        adapter, adapter.model_path, dtype=dtype, device=str(device), max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens, gpu_memory_utilization=options.gpu_memory_utilization,
+        max_model_len=PROMPT_TOKENS + W2_RANGE[1], hf_model=hf_model,
+    )
+
+
+def run_bench(options: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Peer runs, logit checks per backend, our runs, decode rooflines; returns the report."""
+    from vlmbatch.engine.attention import available_backends
+    from vlmbatch.models.registry import resolve_device
+
+    device = resolve_device(options.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "options": asdict(options)}
+    ceilings = report["ceilings"] = measure_ceilings(device)
+    echo(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter, hf_model = real_model(options.model, dtype, device) if options.model else random_model(options.shape, Path(tmp), dtype, device)
+        for workload in options.workloads:
+            lengths, prompts = output_lengths(workload, options.peer_requests), w1_prompts(adapter, options.peer_requests)
+            for batch_size in options.peer_batches:
+                results.append(run_peer(hf_model, adapter, prompts, lengths, batch_size, workload, device))
+                echo(_row(results[-1]))
+        reference = logit_reference(hf_model, adapter, w1_prompts(adapter, options.check_prompts, seed=7), options.decode_steps, device)
+        engine = _paged_engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
+        del hf_model
+        correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device))
+        for name, errors in correctness["backends"].items():
+            echo(f"logits vs transformers fp32 [{name}]: max rel err {errors['max_rel_err']:.2e} (bound {reference.bound:.2e}), "
+                 f"top-1 agreement {100 * errors['top1_agreement']:.1f}% -> {'ok' if errors['ok'] else 'FAIL'}")
+        for workload in options.workloads:
+            results.append(run_engine(engine, w1_prompts(adapter, options.requests, seed=3), output_lengths(workload, options.requests), workload))
+            echo(_row(results[-1]))
+        rooflines = report["decode_roofline"] = {}
+        for shape in [options.shape, *([] if options.model else options.extra_shapes)]:
+            if shape != options.shape:
+                del engine
+                _free(device)
+                adapter, hf_model = random_model(shape, Path(tmp), dtype, device)
+                engine = _paged_engine(adapter, hf_model, options, dtype, device, max(options.decode_batches))
+                del hf_model
+            rooflines[shape] = [decode_roofline(engine, adapter, b, ceilings) for b in options.decode_batches]
+            for row in rooflines[shape]:
+                echo(_roofline_row(shape, row))
+        del engine
+        _free(device)
+    report["runs"] = [dict(asdict(r), requests_per_s=r.requests_per_s, output_tokens_per_s=r.output_tokens_per_s) for r in results]
+    report["summary"] = _summary(results)
+    report["ok"] = all(e["ok"] for e in correctness["backends"].values())
+    return report
