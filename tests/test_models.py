@@ -198,3 +198,22 @@ def test_bad_chat_messages_name_the_bad_part(messages, param):
     error = _error(parse_chat_messages, messages)
     assert error.error_type == ErrorType.INVALID_ROW
     assert error.param == param
+
+
+def test_check_counts_tokens_like_prepare_without_pixels(qwen, llava):
+    sizes = [(56, 56), (64, 80), (300, 120), (500, 700)]
+    for h, w in sizes:
+        images = [_image(h, w), _image(w, h, 1)]
+        prompt = f"{QWEN_IMAGE}and{QWEN_IMAGE} compare"
+        assert qwen.check(prompt, images) == qwen.prepare(prompt, images).num_tokens
+        llava_prompt = "USER: <image>\n<image>\ncompare ASSISTANT:"
+        assert llava.check(llava_prompt, images) == llava.prepare(llava_prompt, images).num_tokens
+    video_prompt = f"{QWEN_VIDEO} what happens?"
+    assert qwen.check(video_prompt, videos=[_video()]) == qwen.prepare(video_prompt, videos=[_video()]).num_tokens
+    count = qwen.check(f"{QWEN_IMAGE} a", [_image()])
+    assert _error(qwen.check, f"{QWEN_IMAGE} a", [_image()], max_tokens=qwen.max_model_len - count + 1).error_type == (
+        ErrorType.PROMPT_TOO_LONG
+    )
+    assert _error(qwen.check, "  ").error_type == ErrorType.PROMPT_EMPTY
+    assert _error(llava.check, "<image>", []).error_type == ErrorType.PLACEHOLDER_MISMATCH
+    assert _error(llava.check, "x", None, [_video()]).error_type == ErrorType.UNSUPPORTED_MEDIA

@@ -120,9 +120,26 @@ class ProcessorAdapter(ModelAdapter):
             )
 
     def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
-        """Processor arguments (`videos=...` and metadata) for already-sampled frames; families
-        without video support keep this default."""
-        raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"{self.family} models do not accept videos", param="video")
+        """Processor arguments (`videos=...` and metadata) for already-sampled frames."""
+        return {}
+
+    def _validate(self, prompt: str, images: list[Any], videos: list[VideoFrames]) -> None:
+        """The checks that need no preprocessing: prompt text, supported media, placeholders."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise RowError(ErrorType.PROMPT_EMPTY, "the prompt is empty", param="prompt")
+        if videos and not self.supports_video:
+            raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"{self.family} models do not accept videos", param="video")
+        self._check_placeholders(prompt, self.image_token, self.image_placeholder, len(images), "image")
+        self._check_placeholders(prompt, self.video_token, self.video_placeholder, len(videos), "video")
+
+    def _check_length(self, num_tokens: int, max_tokens: int) -> None:
+        if num_tokens + max_tokens > self.max_model_len:
+            raise RowError(
+                ErrorType.PROMPT_TOO_LONG,
+                f"prompt is {num_tokens} tokens (media included) + max_tokens {max_tokens} > "
+                f"max_model_len {self.max_model_len}",
+                param="prompt",
+            )
 
     def check(
         self,
@@ -130,10 +147,20 @@ class ProcessorAdapter(ModelAdapter):
         images: list[Any] | None = None,
         videos: list[VideoFrames] | None = None,
         max_tokens: int = 0,
-    ) -> None:
-        """Raise the `RowError` that `prepare` would raise (dry runs). It runs the processor,
-        because the prompt's length depends on each image's token count."""
-        self.prepare(prompt, images, videos, max_tokens)
+    ) -> int:
+        """`prepare`'s checks and token count without pixel preprocessing (dry runs): each
+        image's token count comes from its size, through the processor's own formula."""
+        images, videos = list(images or []), list(videos or [])
+        if videos:  # frame counts and per-frame caps: let the processor decide
+            return self.prepare(prompt, images, videos, max_tokens).num_tokens
+        self._validate(prompt, images, [])
+        num_tokens = len(self.tokenizer(prompt)["input_ids"])
+        if images:
+            sizes = [(image.height, image.width) for image in images]
+            per_image = self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+            num_tokens += sum(per_image) - len(images)  # each placeholder token becomes the image's tokens
+        self._check_length(num_tokens, max_tokens)
+        return num_tokens
 
     def prepare(
         self,
@@ -142,27 +169,16 @@ class ProcessorAdapter(ModelAdapter):
         videos: list[VideoFrames] | None = None,
         max_tokens: int = 0,
     ) -> PreparedPrompt:
-        images = list(images or [])
-        videos = list(videos or [])
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise RowError(ErrorType.PROMPT_EMPTY, "the prompt is empty", param="prompt")
-        video_kwargs = self._video_inputs(videos) if videos else {}
-        self._check_placeholders(prompt, self.image_token, self.image_placeholder, len(images), "image")
-        self._check_placeholders(prompt, self.video_token, self.video_placeholder, len(videos), "video")
+        images, videos = list(images or []), list(videos or [])
+        self._validate(prompt, images, videos)
         try:
             processed = self.processor(
-                text=[prompt], images=images or None, return_tensors="pt", **video_kwargs
+                text=[prompt], images=images or None, return_tensors="pt", **self._video_inputs(videos)
             )
         except (ValueError, TypeError) as exc:  # e.g. an image below the minimum size or of odd shape
             raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"the processor rejected the media: {exc}") from exc
         token_ids: list[int] = processed["input_ids"][0].tolist()
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise RowError(
-                ErrorType.PROMPT_TOO_LONG,
-                f"prompt is {len(token_ids)} tokens (media included) + max_tokens {max_tokens} > "
-                f"max_model_len {self.max_model_len}",
-                param="prompt",
-            )
+        self._check_length(len(token_ids), max_tokens)
         mm_inputs = {
             key: value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
             for key, value in processed.items()

@@ -31,6 +31,8 @@ class Qwen2VLAdapter(ProcessorAdapter):
     extra_eos_tokens = ("<|im_end|>", "<|endoftext|>")
 
     def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
+        if not videos:
+            return {}
         from transformers.video_utils import VideoMetadata
 
         arrays = [_frames_array(v) for v in videos]

@@ -79,6 +79,9 @@ _LLAVA_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
 )
 
+# The language model of every family: 2 layers, hidden 64, 4 query heads of dim 16.
+_TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
 _BPE_VOCAB_SIZE = 600  # learned tokens; specials come first, so ids are small and fixed
 
 
@@ -138,10 +141,7 @@ def _qwen_config(arch: str, tokenizer):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN_SPECIAL_TOKENS}
     text_config = dict(
         vocab_size=_padded_vocab(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **_TINY_DECODER,
         num_key_value_heads=2,  # GQA, as in the released models
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
@@ -218,10 +218,7 @@ def _llava_config(tokenizer):
     text_config = dict(
         model_type="llama",
         vocab_size=_padded_vocab(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **_TINY_DECODER,
         num_key_value_heads=4,
         max_position_embeddings=2048,
         bos_token_id=ids["<s>"],
