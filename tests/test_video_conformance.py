@@ -134,3 +134,34 @@ def test_bytes_input_matches_path_input(videos, backend):
     from_bytes = load_video(videos["h264_mp4"].read_bytes(), options)
     assert from_bytes.frame_indices == from_path.frame_indices
     assert mean_abs_diff(from_bytes.frames, from_path.frames) == 0
+
+
+def test_opencv_packet_probe_agrees_with_pyav(videos):
+    """The probe used where PyAV is missing (the GPU machine) indexes intact files identically."""
+    from vlmbatch.media.video.probe import _probe_with_opencv, _probe_with_pyav
+
+    for kind in DECODABLE:
+        source = VideoSource(name=kind, path=str(videos[kind]))
+        by_opencv, by_pyav = _probe_with_opencv(source), _probe_with_pyav(source)
+        assert by_opencv.keyframes == by_pyav.keyframes, kind
+        assert np.allclose(by_opencv.timestamps, by_pyav.timestamps, atol=1e-3), kind
+
+
+def test_torchcodec_approximate_mode_on_constant_rate(videos, reference):
+    """`approximate` skips torchcodec's scan; right on constant-rate files (not on VFR: see docs/video.md)."""
+    options = parse_video_options({"backend": "torchcodec", "seek_mode": "approximate", "num_frames": 16})
+    result = load_video(videos["h264_mp4"], options)
+    expected = reference("h264_mp4")
+    for position, index in enumerate(result.frame_indices):
+        assert mean_abs_diff(result.frames[position], expected[index]) <= TOLERANCE
+
+
+def test_resize_cap_is_identical_for_every_backend(videos):
+    shrunk = {
+        b: load_video(videos["rotated_mp4"], parse_video_options({"backend": b, "num_frames": 4, "max_side": 80}))
+        for b in CPU_BACKENDS
+    }
+    shapes = {v.frames.shape for v in shrunk.values()}
+    assert shapes == {(4, 80, 60, 3)}
+    first = shrunk["opencv"].frames
+    assert all(mean_abs_diff(v.frames, first) <= TOLERANCE for v in shrunk.values())
