@@ -76,7 +76,7 @@ def submit(
             media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
         )
     except JobError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
     print(manifest.job_id, flush=True)
     if manifest.num_rows == 0:

@@ -96,7 +96,7 @@ def check_results(job_dir: Path, expected: list[str | None], id_column: str = "i
             assert isinstance(row["generated_text"], str)
         else:
             assert row["finish_reason"] == "error" and row["error"]
-    duck = duckdb.sql(f"select count(*), count(distinct row_id) from read_parquet('{results}/*.parquet')").fetchone()
+    duck = duckdb.connect().execute(f"select count(*), count(distinct row_id) from read_parquet('{results}/*.parquet')").fetchone()
     assert duck == (len(expected), len(expected))
     assert pl.read_parquet(f"{results}/*.parquet").height == len(expected)
     assert table.schema.field(id_column).type == pa.string()
@@ -173,7 +173,7 @@ def test_openai_batch_input_keeps_custom_id(tiny_qwen: Path, tmp_path: Path) -> 
 @pytest.mark.parametrize(
     "case, expected",
     [
-        ("missing-file", "no such file"),
+        ("missing-file", "not found"),
         ("unknown-format", "format"),
         ("no-prompt-column", "prompt"),
         ("unknown-model", "model not found"),
@@ -209,7 +209,7 @@ def test_empty_dataset_completes_with_an_empty_typed_result(tiny_qwen: Path, tmp
     table = pq.read_table(job_dir / "results")
     assert table.num_rows == 0
     assert {"row_id", "id", "generated_text", "error_type", "finished_at"} <= set(table.schema.names)
-    assert duckdb.sql(f"select count(*) from read_parquet('{job_dir}/results/*.parquet')").fetchone() == (0,)
+    assert duckdb.connect().execute(f"select count(*) from read_parquet('{job_dir}/results/*.parquet')").fetchone() == (0,)
 
 
 def test_dry_run_reports_row_errors_and_writes_nothing(tiny_qwen: Path, tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_readme_demo_command(tmp_path: Path) -> None:
     env = {"VLMBATCH_OUTPUT_DIR": str(tmp_path / "out"), "VLMBATCH_DEMO_MODEL": str(tmp_path / "tiny")}
     proc = subprocess.run(["bash", "scripts/demo.sh"], cwd=repo, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    job_id = proc.stdout.strip().splitlines()[0]
+    job_id = proc.stdout.strip().splitlines()[-1]  # submit prints the job id last on stdout
     table = pq.read_table(tmp_path / "out" / job_id / "results")
     demo_rows = len((repo / "jobs/demo/images.jsonl").read_text().splitlines())
     assert table.num_rows == demo_rows and table.column("error_type").null_count == demo_rows

@@ -14,7 +14,7 @@ from vlmbatch.job.shard import run_shard
 
 def pending_shards(manifest: Any, job_dir: Path) -> list[int]:
     """Shards without a committed part: the manifest plus the parts are the source of truth."""
-    return [s.shard_id for s in manifest.shards if not manifest.part_path(job_dir, s.shard_id).exists()]
+    return [s.shard_id for s in manifest.shards if not manifest.part_path(s.shard_id).exists()]
 
 
 def job_progress(console: Console | None = None) -> Progress:

@@ -15,10 +15,13 @@ from vlmbatch.errors import JobError
 
 
 def check_model(model: str) -> str:
-    """Fail fast on a model that cannot be resolved; return its family (`model_type`)."""
-    from vlmbatch.models.registry import model_family
+    """Fail fast on a model that cannot be resolved or is of no supported family (no weights load)."""
+    from vlmbatch.models.registry import ADAPTERS, load_config
 
-    return model_family(model)
+    family = load_config(model).model_type
+    if family not in ADAPTERS:
+        raise JobError(f"unsupported model type {family!r} for {model}; supported: {', '.join(sorted(ADAPTERS))}")
+    return family
 
 
 def check_media_io_kwargs(media_io_kwargs: dict[str, Any]) -> None:
@@ -50,24 +53,27 @@ def plan_job(
 ) -> tuple[Any, Path]:
     """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet."""
     from vlmbatch.io.manifest import Manifest
-    from vlmbatch.io.readers import open_dataset
+    from vlmbatch.io.readers import ShardPlan, open_dataset
 
     reader = open_dataset(dataset, columns)
     check_model(model)
     check_media_io_kwargs(media_io_kwargs or {})
-    manifest = Manifest.create(
-        reader=reader,
+    manifest = Manifest.for_dataset(
+        reader,
+        output_dir=output,
         model=model,
         engine=engine,
         sampling=(sampling or SamplingParams()).to_dict(),
         media_io_kwargs=media_io_kwargs or {},
         shard_size=shard_size,
         broker=broker,
-        chat_template=chat_template,
     )
-    job_dir = Path(output) / manifest.job_id
-    manifest.save(job_dir)
-    return manifest, job_dir
+    if not manifest.shards:  # an empty dataset completes with one empty, typed part
+        manifest.shards = [ShardPlan(shard_id=0, row_start=0, row_end=0, byte_start=0, byte_end=0, row_groups=[])]
+    if chat_template:
+        manifest.extra["chat_template"] = chat_template
+    manifest.save()
+    return manifest, manifest.job_dir
 
 
 def load_llm(model: str, *, engine: str = "auto", dtype: str = "auto", device: str = "auto", chat_template: str | None = None, **kwargs: Any) -> Any:

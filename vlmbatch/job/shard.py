@@ -41,15 +41,16 @@ class ResultRowFactory:
     """Builds result rows with the manifest's fixed columns filled in."""
 
     def __init__(self, manifest: Any, shard_id: int, attempt: int):
-        self.id_column = manifest.id_result_column
-        self.passthrough = list(manifest.passthrough_columns)
+        self.id_column = manifest.result_id_column
+        self.input_id_column = manifest.columns.id
+        self.passthrough = list(manifest.passthrough_schema.names)
         self.model = manifest.model
         self.shard_id = shard_id
         self.attempt = attempt
 
     def _base(self, row_id: int, raw: dict[str, Any] | None, request: RowRequest | None) -> dict[str, Any]:
         raw = raw if isinstance(raw, dict) else {}
-        row_key = request.id if request is not None else raw.get("id")
+        row_key = request.id if request is not None else raw.get(self.input_id_column)
         row = {
             "row_id": row_id,
             self.id_column: str(row_key) if row_key is not None else str(row_id),
@@ -122,8 +123,10 @@ def run_shard(
     `retry_errors` re-runs only the rows of the committed part that ended in an error.
     `row_range` restricts the run to a sub-range (poison-shard splitting).
     """
+    import pyarrow.parquet as pq
+
     from vlmbatch.io.readers import open_dataset
-    from vlmbatch.io.writer import read_part_rows, write_part
+    from vlmbatch.io.writer import write_part
 
     plan = manifest.shards[shard_id]
     factory = ResultRowFactory(manifest, shard_id, attempt)
@@ -131,11 +134,11 @@ def run_shard(
     kept: list[dict[str, Any]] = []
     only_rows: set[int] | None = None
     if retry_errors:
-        previous = read_part_rows(job_dir, shard_id, manifest.num_shards)
+        previous = pq.read_table(manifest.part_path(shard_id)).to_pylist()
         kept = [r for r in previous if r["error_type"] is None]
         only_rows = {r["row_id"] for r in previous if r["error_type"] is not None}
 
-    reader = open_dataset(manifest.dataset, manifest.columns, format=manifest.format)
+    reader = open_dataset(manifest.dataset, manifest.columns)
     source = _rows_in_range(reader.iter_shard(plan), row_range, only_rows)
     defaults = SamplingParams(**manifest.sampling)
     adapter = llm.adapter if llm is not None else None
@@ -170,7 +173,7 @@ def run_shard(
     outcome.rows.extend(kept)
     outcome.rows.sort(key=lambda r: r["row_id"])
     if commit:
-        outcome.part_path = write_part(job_dir, shard_id, manifest.num_shards, outcome.rows, manifest)
+        outcome.part_path = write_part(job_dir, shard_id, manifest.num_shards, outcome.rows)
         outcome.rows = []
     return outcome
 

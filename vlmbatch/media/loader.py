@@ -1,0 +1,76 @@
+"""One place that turns media settings (flags, env, per-row overrides) into loaded media.
+
+Batch jobs, `LLM.chat` and the server differ only in their settings (where relative
+paths resolve, which local folder and which hosts are allowed), so they all load
+images and videos through a `MediaLoader` configured for them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.fetch import FetchPolicy
+from vlmbatch.media.image import DEFAULT_MAX_PIXELS, MediaContext, load_image
+from vlmbatch.media.types import VideoFrames
+
+IMAGE_OPTIONS = {"max_pixels"}
+
+
+class MediaLoader:
+    """Loads images and videos under one set of rules.
+
+    `media_io_kwargs` is `{"image": {...}, "video": {...}}` as given by
+    `--media-io-kwargs`; it is validated once here (job-level), while a row's or
+    request's own `media_io_kwargs` becomes a `RowError` when wrong.
+    """
+
+    def __init__(
+        self,
+        base_dir: str | Path | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
+        *,
+        allowed_local_path: str | Path | None = None,
+        allow_local_files: bool = True,
+        allow_private: bool = True,
+        allowed_domains: tuple[str, ...] | None = None,
+    ):
+        from vlmbatch.media.video import VideoContext, parse_video_options
+
+        media_io_kwargs = media_io_kwargs or {}
+        image_options = dict(media_io_kwargs.get("image") or {})
+        unknown = set(image_options) - IMAGE_OPTIONS
+        if unknown:
+            raise ValueError(f"unknown image option(s) {sorted(unknown)}; known: {sorted(IMAGE_OPTIONS)}")
+        self.image_context = MediaContext(
+            base_dir=base_dir,
+            allowed_local_path=allowed_local_path,
+            allow_local_files=allow_local_files,
+            fetch=FetchPolicy(allow_private=allow_private, allowed_domains=allowed_domains),
+            max_pixels=int(image_options.get("max_pixels", DEFAULT_MAX_PIXELS)),
+        )
+        self.video_options = parse_video_options(media_io_kwargs.get("video"))
+        self.video_context = VideoContext(
+            base_dir=None if base_dir is None else str(base_dir),
+            allowed_local_path=None if allowed_local_path is None else str(allowed_local_path),
+            fetch_policy=FetchPolicy.for_videos(allow_private=allow_private, allowed_domains=allowed_domains),
+        )
+
+    def image(self, ref: Any, param: str = "image") -> Any:
+        return load_image(ref, self.image_context, param)
+
+    def video(self, ref: Any, param: str = "video", overrides: dict[str, Any] | None = None) -> VideoFrames:
+        from vlmbatch.media.video import load_video, override_video_options
+
+        options = self.video_options
+        if overrides:
+            unknown = set(overrides) - {"image", "video"}
+            if unknown:
+                raise RowError(ErrorType.INVALID_ROW, f"unknown media kind(s) {sorted(unknown)} in media_io_kwargs", "media_io_kwargs")
+            options = override_video_options(options, overrides.get("video"))
+        try:
+            return load_video(ref, options, self.video_context)
+        except RowError as error:
+            error.param = error.param or param
+            raise
