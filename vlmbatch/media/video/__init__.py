@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any
+from typing import Any, NamedTuple
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.types import VideoFrames
@@ -33,41 +33,45 @@ __all__ = [
     "parse_video_options",
 ]
 
-_BACKEND_CLASSES = {
-    "opencv": ("vlmbatch.media.video.opencv_backend", "OpenCVBackend"),
-    "pyav": ("vlmbatch.media.video.pyav_backend", "PyAVBackend"),
-    "torchcodec": ("vlmbatch.media.video.torchcodec_backend", "TorchCodecBackend"),
-    "pynvvideocodec": ("vlmbatch.media.video.pynvvideocodec_backend", "PyNvVideoCodecBackend"),
-    "deepstream": ("vlmbatch.media.video.deepstream_backend", "DeepStreamBackend"),
+class _BackendSpec(NamedTuple):
+    module: str  # the vlmbatch module holding the backend class
+    class_name: str
+    library: str  # what it imports
+    install_hint: str
+
+
+_BACKENDS = {
+    "opencv": _BackendSpec("opencv_backend", "OpenCVBackend", "cv2", "opencv-python-headless"),
+    "pyav": _BackendSpec("pyav_backend", "PyAVBackend", "av", "av"),
+    "torchcodec": _BackendSpec("torchcodec_backend", "TorchCodecBackend", "torchcodec", "torchcodec (and FFmpeg's shared libraries)"),
+    "pynvvideocodec": _BackendSpec(
+        "pynvvideocodec_backend", "PyNvVideoCodecBackend", "PyNvVideoCodec", "PyNvVideoCodec (and an NVIDIA GPU with libnvcuvid)"
+    ),
+    "deepstream": _BackendSpec(
+        "deepstream_backend", "DeepStreamBackend", "nvidia.deepstream_videodecode",
+        "nvidia-deepstream-videodecode-cu13 (driver >= 590, GStreamer)",
+    ),
 }
 _instances: dict[str, VideoBackend] = {}
 
 
-_BACKEND_LIBRARIES = {
-    "opencv": ("cv2", "opencv-python-headless"),
-    "pyav": ("av", "av"),
-    "torchcodec": ("torchcodec", "torchcodec (and FFmpeg's shared libraries)"),
-    "pynvvideocodec": ("PyNvVideoCodec", "PyNvVideoCodec (and an NVIDIA GPU with libnvcuvid)"),
-    "deepstream": ("nvidia.deepstream_videodecode", "nvidia-deepstream-videodecode-cu13 (driver >= 590, GStreamer)"),
-}
-
-
 def ensure_backend_available(name: str) -> None:
     """Fail at start-up (flags, env) rather than on every row when a decoder library is missing."""
-    module, package = _BACKEND_LIBRARIES[name]
+    spec = _BACKENDS[name]
     try:
-        found = importlib.util.find_spec(module) is not None
+        found = importlib.util.find_spec(spec.library) is not None
     except ModuleNotFoundError:  # a missing parent package of a dotted name
         found = False
     if not found:
-        raise ValueError(f"video backend {name!r} needs {package}, which is not installed")
+        raise ValueError(f"video backend {name!r} needs {spec.install_hint}, which is not installed")
 
 
 def get_backend(name: str) -> VideoBackend:
     """The process's one instance of backend `name` (GPU backends hold decoder pools)."""
     if name not in _instances:
-        module_name, class_name = _BACKEND_CLASSES[name]
-        _instances[name] = getattr(importlib.import_module(module_name), class_name)()
+        spec = _BACKENDS[name]
+        module = importlib.import_module(f"vlmbatch.media.video.{spec.module}")
+        _instances[name] = getattr(module, spec.class_name)()
     return _instances[name]
 
 
