@@ -166,6 +166,10 @@ def test_run_reports_each_request_as_it_finishes(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine auto picks the paged engine")
-def test_auto_engine_falls_back_to_hf_on_cpu(tiny_qwen):
-    assert LLM(str(tiny_qwen)).engine.name == "hf"
+def test_auto_engine_is_the_paged_engine_where_it_supports_the_family(tiny_qwen):
+    from vlmbatch.engine.paged import PagedEngine
+
+    llm = LLM(str(tiny_qwen), max_batch_size=8)
+    assert PagedEngine.is_supported(llm.adapter) and llm.engine.name == "paged"
+    [out] = llm.generate(_turn("Hello world"), GREEDY)
+    assert len(out.outputs[0].token_ids) == 8
