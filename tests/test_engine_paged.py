@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vlmbatch.engine.bench import hf_inputs
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.media.types import VideoFrames
@@ -75,13 +76,8 @@ def build_requests(adapter, family: str, count: int, seed: int):
 
 def hf_greedy(hf_model, adapter, prompt, max_tokens) -> list[int]:
     """HF `generate()` on exactly the tensors the adapter prepared (one request, no padding)."""
-    ids = torch.tensor([prompt.prompt_token_ids])
-    extra = {"mm_token_type_ids": adapter.mm_token_type_ids(ids)} if adapter.family.startswith("qwen") else {}
-    out = hf_model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), **prompt.mm_inputs, **extra,
-        max_new_tokens=max_tokens, do_sample=False,
-    )
-    return out[0, ids.shape[1] :].tolist()
+    out = hf_model.generate(**hf_inputs(adapter, [prompt], torch.device("cpu"), hf_model), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, prompt.num_tokens :].tolist()
 
 
 def run_to_completion(engine) -> dict:

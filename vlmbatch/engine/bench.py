@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import random
 import statistics
 import tempfile
@@ -155,10 +156,13 @@ def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], worklo
                      1000 * statistics.median(decode_times) if decode_times else None, asdict(engine.stats))
 
 
-def _hf_inputs(adapter, prompts: list[PreparedPrompt], device: torch.device) -> dict[str, torch.Tensor]:
-    """One static batch; W1/W2 prompts all have the same length, so no padding is needed."""
+def hf_inputs(adapter, prompts: list[PreparedPrompt], device: torch.device, hf_model) -> dict[str, torch.Tensor]:
+    """One static batch; W1/W2 prompts all have the same length, so no padding is needed.
+    `mm_token_type_ids` only goes to transformers versions whose forward takes it."""
     ids = torch.tensor([p.prompt_token_ids for p in prompts])
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": adapter.mm_token_type_ids(ids)}
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:
+        inputs["mm_token_type_ids"] = adapter.mm_token_type_ids(ids)
     for key in prompts[0].mm_inputs:
         inputs[key] = torch.cat([p.mm_inputs[key] for p in prompts])
     return {k: v.to(device) for k, v in inputs.items()}
@@ -171,7 +175,7 @@ def run_peer(hf_model, adapter, prompts: list[PreparedPrompt], lengths: list[int
     start = time.perf_counter()
     for at in range(0, len(prompts), batch_size):
         longest = max(lengths[at : at + batch_size])
-        hf_model.generate(**_hf_inputs(adapter, prompts[at : at + batch_size], device),
+        hf_model.generate(**hf_inputs(adapter, prompts[at : at + batch_size], device, hf_model),
                           max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
     _sync(device)
     return RunResult(f"hf-generate-b{batch_size}", workload, len(prompts), time.perf_counter() - start, sum(lengths))
@@ -185,7 +189,7 @@ def reference_logits(hf_model, adapter, prompts: list[PreparedPrompt], continuat
     out = []
     for prompt, continuation in zip(prompts, continuations):
         full = PreparedPrompt(prompt.prompt_token_ids + list(continuation), prompt.mm_inputs)
-        logits = hf_model(**_hf_inputs(adapter, [full], device)).logits[0]
+        logits = hf_model(**hf_inputs(adapter, [full], device, hf_model)).logits[0]
         out.append(logits[prompt.num_tokens - 1 :].float().cpu())
     return out
 

@@ -21,10 +21,15 @@ class RotaryEmbedding(nn.Module):
         self.mrope_section = list(mrope_section) if mrope_section else None
 
     @classmethod
-    def from_hf(cls, hf_rotary: nn.Module, mrope: bool) -> "RotaryEmbedding":
-        section = getattr(hf_rotary, "mrope_section", None) if mrope else None
-        if mrope and section is None:
-            raise ValueError("an M-RoPE model's rotary module has no mrope_section")
+    def from_hf(cls, hf_rotary: nn.Module, text_config, mrope: bool) -> "RotaryEmbedding":
+        """From the model's `transformers` rotary module; the M-RoPE section sits on the
+        module in recent versions and in the config's rope parameters in older ones."""
+        section = None
+        if mrope:
+            rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+            section = getattr(hf_rotary, "mrope_section", None) or rope.get("mrope_section")
+            if section is None:
+                raise ValueError("an M-RoPE model without mrope_section in its rotary module or config")
         return cls(hf_rotary.inv_freq, float(getattr(hf_rotary, "attention_scaling", 1.0)), section)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,7 +182,7 @@ def build_model(hf_model: nn.Module, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"the paged engine does not support model type {hf_model.config.model_type!r}")
     language_model = hf_model.model.language_model
     text_config = hf_model.config.get_text_config()
-    rotary = RotaryEmbedding.from_hf(language_model.rotary_emb, mrope=family.mrope)
+    rotary = RotaryEmbedding.from_hf(language_model.rotary_emb, text_config, mrope=family.mrope)
     bias = family.mrope or bool(getattr(text_config, "attention_bias", False))
     with torch.device(device):
         decoder = Decoder(text_config, rotary, bias).to(dtype)
