@@ -40,6 +40,7 @@ def _body_factory(max_tokens: int, image_side: int, stream: bool):
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
             "temperature": 0,
+            "ignore_eos": True,  # every request costs exactly max_tokens
             "stream": stream and i % 2 == 1,  # with --stream, every other request streams
         }
 

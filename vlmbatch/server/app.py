@@ -93,11 +93,14 @@ def require_chat_template(adapter: ModelAdapter) -> None:
 def create_app(adapter: ModelAdapter, engine: Engine, settings: ServerSettings) -> FastAPI:
     """The app serving `engine` (started and stopped with the app's lifespan).
 
-    Raises `JobError` when the model cannot chat (no chat template).
+    Raises `JobError` when the model cannot chat (no chat template) or a media option is wrong.
     """
     require_chat_template(adapter)
+    try:
+        media = ServerMedia(settings)
+    except ValueError as exc:
+        raise JobError(str(exc)) from exc
     async_engine = AsyncEngine(engine)
-    media = ServerMedia(settings)
     completions = ChatCompletions(adapter, async_engine, media, settings)
 
     @asynccontextmanager

@@ -19,7 +19,7 @@ from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.models.base import ModelAdapter, PreparedPrompt
 from vlmbatch.server.async_engine import AsyncEngine
 from vlmbatch.server.errors import APIError
-from vlmbatch.server.media import ServerMedia
+from vlmbatch.server.media import ServerMedia, media_part_params
 from vlmbatch.server.protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -76,7 +76,9 @@ class ChatCompletions:
 
         _, image_refs, video_refs = parse_chat_messages(request.messages)
         self._check_media_counts(len(image_refs), len(video_refs))
-        images, videos = await self._media.load(image_refs, video_refs, request.media_io_kwargs)
+        images, videos = await self._media.load(
+            image_refs, video_refs, media_part_params(request.messages), request.media_io_kwargs
+        )
         loop = asyncio.get_running_loop()
         try:
             prompt = await loop.run_in_executor(
@@ -100,6 +102,7 @@ class ChatCompletions:
             seed=request.seed,
             stop=request.stop_strings,
             n=request.n,
+            ignore_eos=request.ignore_eos,
         )
         return PreparedRequest(new_completion_id(), prompt, params)
 

@@ -32,6 +32,7 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Per-request media loading options, e.g. {"video": {"num_frames": 4}}; they override
