@@ -74,3 +74,8 @@ def test_nearest_frame_prefers_the_earlier_on_ties():
 def test_empty_stream_is_refused():
     with pytest.raises(ValueError):
         plan_frames([], VideoOptions())
+
+
+def test_single_frame_reports_the_convention_rate():
+    plan = plan_frames([0.0], VideoOptions())
+    assert plan.duration == 0.0 and plan.sampled_fps == 2.0

@@ -14,6 +14,7 @@ request asking for another count is refused.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -56,6 +57,8 @@ class DecoderSlots:
                 self._idle.append(decoder)
 
 
+logger = logging.getLogger(__name__)
+UNTAGGED = ("bt601", False)  # FFmpeg's reading of a stream that does not say
 _SLOTS: ProcessResource[DecoderSlots] = ProcessResource("hw_decoders", strict=True)
 
 
@@ -79,12 +82,16 @@ def stream_colour(source: VideoSource) -> tuple[str, bool]:
 
 def _colour_from_nvdemuxer(source: VideoSource) -> tuple[str, bool]:
     if source.path is None:
-        return "bt601", False
+        return UNTAGGED
     import PyNvVideoCodec as nvc
 
-    demuxer = nvc.CreateDemuxer(source.path)
-    matrix = "bt709" if "709" in str(demuxer.ColorSpace()) else "bt601"
-    return matrix, "JPEG" in str(demuxer.ColorRange()).upper()
+    try:
+        demuxer = nvc.CreateDemuxer(source.path)
+        space, colour_range = str(demuxer.ColorSpace()), str(demuxer.ColorRange())
+    except (AttributeError, RuntimeError) as exc:  # the method names come from the docs, unverified on 2.2.4
+        logger.warning("cannot read colour tags of %s (%r); assuming BT.601 limited range", source.name, exc)
+        return UNTAGGED
+    return ("bt709" if "709" in space else "bt601"), "JPEG" in colour_range.upper()
 
 
 class PyNvVideoCodecBackend(DeviceFramesBackend):

@@ -47,9 +47,9 @@ class FramePlan:
 
 
 def stream_duration(timestamps: Sequence[float]) -> float:
-    """Span of the stream: first to last timestamp plus one typical frame length."""
+    """Span of the stream: first to last timestamp plus one typical frame length (0 for one frame)."""
     if len(timestamps) < 2:
-        return 0.0 if not timestamps else 1.0 / QWEN2_5_VL.fps
+        return 0.0
     gaps = sorted(b - a for a, b in zip(timestamps, timestamps[1:]))
     return timestamps[-1] - timestamps[0] + gaps[len(gaps) // 2]
 
