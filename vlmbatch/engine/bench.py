@@ -138,12 +138,13 @@ def _sync(device: torch.device) -> None:
 
 
 def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], workload: str) -> RunResult:
-    """All requests queued at once, stepped to the end; decode-step time is the median wall
-    time of decode steps (each ends in a host copy of the sampled tokens, so it is synced)."""
+    """All requests queued at once (their preparation counted), stepped to the end;
+    decode-step time is the median wall time of decode steps (each ends in a host copy
+    of the sampled tokens, so it is synced)."""
+    start = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         engine.add_request(f"{workload}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     decode_times, generated = [], 0
-    start = time.perf_counter()
     while engine.has_unfinished_requests():
         was_decode = engine.stats.num_decode_steps
         step_start = time.perf_counter()

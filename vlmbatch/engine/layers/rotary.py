@@ -16,7 +16,8 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, mrope_section: list[int] | None = None):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        # A plain attribute, not a buffer: `.to(bfloat16)` on the decoder must not round it.
+        self.inv_freq = inv_freq.float().clone()
         self.attention_scaling = attention_scaling
         self.mrope_section = list(mrope_section) if mrope_section else None
 
@@ -30,7 +31,12 @@ class RotaryEmbedding(nn.Module):
             section = getattr(hf_rotary, "mrope_section", None) or rope.get("mrope_section")
             if section is None:
                 raise ValueError("an M-RoPE model without mrope_section in its rotary module or config")
-        return cls(hf_rotary.inv_freq, float(getattr(hf_rotary, "attention_scaling", 1.0)), section)
+        inv_freq, scaling = hf_rotary.inv_freq, getattr(hf_rotary, "attention_scaling", 1.0)
+        if getattr(hf_rotary, "rope_type", None) == "default" and hasattr(hf_rotary, "compute_default_rope_parameters"):
+            # Recomputed in fp32: a model loaded in bf16 may hold a rounded copy.
+            inv_freq, scaling = hf_rotary.compute_default_rope_parameters(text_config)
+            inv_freq = inv_freq.to(hf_rotary.inv_freq.device)
+        return cls(inv_freq, float(scaling), section)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, head_dim] for positions [num_tokens] (or [3, num_tokens])."""

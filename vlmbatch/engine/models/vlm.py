@@ -10,6 +10,8 @@ items, how to run its tower, and how to place prompt tokens (M-RoPE for Qwen).
 from __future__ import annotations
 
 import inspect
+from functools import cached_property
+from itertools import groupby
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -133,7 +135,31 @@ class QwenVL(VisionLanguageModel):
         return _pooled(encode(pixels, grids))
 
     def prompt_positions(self, token_ids, mm_inputs):
-        """Exactly `transformers`' `get_rope_index` (whose signature changed across versions)."""
+        """Exactly `transformers`' `get_rope_index` (whose signature changed across versions),
+        memoised on what it depends on: where the media and vision-start tokens sit, and the
+        grids. Batch workloads repeat one layout, and the HF function is a Python loop."""
+        key = self._layout_key(token_ids, mm_inputs)
+        cached = self._rope_cache.get(key)
+        if cached is None:
+            cached = self._rope_cache[key] = self._hf_rope_index(token_ids, mm_inputs)
+            if len(self._rope_cache) > 1024:
+                self._rope_cache.pop(next(iter(self._rope_cache)))
+        return cached
+
+    @cached_property
+    def _rope_cache(self) -> dict[tuple, tuple[torch.Tensor, int]]:
+        return {}
+
+    def _layout_key(self, token_ids: list[int], mm_inputs: dict[str, torch.Tensor]) -> tuple:
+        special = {self.config.image_token_id, self.config.video_token_id, self.config.vision_start_token_id}
+        runs = tuple((token, len(list(group))) for token, group in groupby(t if t in special else -1 for t in token_ids))
+        grids = tuple(
+            tuple(mm_inputs[k].reshape(-1).tolist()) if k in mm_inputs else None
+            for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+        )
+        return runs, grids
+
+    def _hf_rope_index(self, token_ids: list[int], mm_inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         get_rope_index = self.hf.model.get_rope_index
         accepted = inspect.signature(get_rope_index).parameters
         input_ids = torch.tensor([token_ids])
