@@ -89,3 +89,15 @@ def test_can_allocate_counts_revived_free_blocks():
     hits = bm.match_prefix(again)
     assert len(hits) == 2 and bm.can_allocate(again, 12, hits)
     assert not bm.can_allocate(again, 13, hits)
+
+
+def test_reset_prefix_cache_forgets_only_unreferenced_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    kept = make_seq(range(9), "a")
+    run_prefill(bm, kept)
+    dropped = make_seq(range(50, 59), "b")
+    run_prefill(bm, dropped)
+    bm.free(dropped)
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(make_seq(range(50, 59), "c")) == []
+    assert bm.match_prefix(make_seq(range(9), "d")) == kept.block_table[:2]

@@ -229,8 +229,9 @@ def logit_reference(hf_model, adapter, prompts: list[PreparedPrompt], decode_ste
     return LogitReference(prompts, continuations, logits, bound, hf_errors)
 
 
-def check_backends(engine, reference: LogitReference, backends: list[str]) -> dict[str, Any]:
-    """Our teacher-forced logits with each attention backend against the reference."""
+def check_backends(engine, reference: LogitReference, backends: list[str], adapter, ceilings: dict[str, float]) -> dict[str, Any]:
+    """Our teacher-forced logits with each attention backend against the reference, and
+    each backend's decode step at batch 64 (what `auto` should follow on this device)."""
     from vlmbatch.engine.attention import create_backend
 
     report: dict[str, Any] = {"positions_per_prompt": len(reference.continuations[0]) + 1, "prompts": len(reference.prompts),
@@ -238,8 +239,11 @@ def check_backends(engine, reference: LogitReference, backends: list[str]) -> di
                               "backends": {}}
     for name in backends:
         engine.runner.use_backend(create_backend(name, engine.device))
+        engine.block_manager.reset_prefix_cache()
         errors = relative_errors(engine.teacher_forced_logits(reference.prompts, reference.continuations), reference.logits)
-        report["backends"][name] = dict(errors, ok=errors["max_rel_err"] <= reference.bound)
+        speed = decode_roofline(engine, adapter, min(64, engine.scheduler.max_num_seqs), ceilings, steps=16)
+        report["backends"][name] = dict(errors, ok=errors["max_rel_err"] <= reference.bound, decode_step_ms_b64=speed["decode_step_ms"])
+    report["fastest_backend"] = min(report["backends"], key=lambda b: report["backends"][b]["decode_step_ms_b64"])
     engine.runner.use_backend(create_backend("auto", engine.device))
     return report
 
@@ -371,10 +375,11 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print) -> dic
         reference = logit_reference(hf_model, adapter, w1_prompts(adapter, options.check_prompts, seed=7), options.decode_steps, device)
         engine = _paged_engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
-        correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device))
+        correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device), adapter, ceilings)
         for name, errors in correctness["backends"].items():
             echo(f"logits vs transformers fp32 [{name}]: max rel err {errors['max_rel_err']:.2e} (bound {reference.bound:.2e}), "
-                 f"top-1 agreement {100 * errors['top1_agreement']:.1f}% -> {'ok' if errors['ok'] else 'FAIL'}")
+                 f"top-1 agreement {100 * errors['top1_agreement']:.1f}%, decode step b64 {errors['decode_step_ms_b64']:.2f} ms "
+                 f"-> {'ok' if errors['ok'] else 'FAIL'}")
         for workload in options.workloads:
             results.append(run_engine(engine, w1_prompts(adapter, options.requests, seed=3), output_lengths(workload, options.requests), workload))
             echo(_row(results[-1]))

@@ -132,3 +132,12 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the KV of unreferenced blocks (e.g. before comparing attention backends,
+        so one backend's results are not served to another)."""
+        for block in self.blocks:
+            if block.ref_count == 0 and block.hash is not None:
+                if self.hash_to_block.get(block.hash) == block.block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
