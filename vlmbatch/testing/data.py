@@ -194,7 +194,11 @@ def write_openai_batch(path: str | Path, n: int, image_size: tuple[int, int] = (
 
 
 def write_large_parquet(
-    path: str | Path, n_rows: int, image_size: tuple[int, int] = (64, 64), chunk_rows: int = 10_000
+    path: str | Path,
+    n_rows: int,
+    image_size: tuple[int, int] = (64, 64),
+    chunk_rows: int = 10_000,
+    prompt: str = DEFAULT_QUESTION,
 ) -> Path:
     """A big Parquet dataset with HF `Image` struct columns, written chunk by chunk (fast, flat memory).
 
@@ -214,7 +218,7 @@ def write_large_parquet(
             images = pa.StructArray.from_arrays([encoded.take(picks), names.take(picks)], fields=list(HF_IMAGE_TYPE))
             columns = {
                 "id": pa.array([f"row-{i:07d}" for i in range(start, start + len(indices))]),
-                "prompt": pa.array([DEFAULT_QUESTION] * len(indices)),
+                "prompt": pa.array([prompt] * len(indices)),
                 "image": images,
                 "category": categories.take(pa.array(indices % len(CATEGORIES))),
                 "index": pa.array(indices, pa.int64()),
