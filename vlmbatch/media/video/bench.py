@@ -15,11 +15,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from vlmbatch.media.video import load_video, parse_video_options
 from vlmbatch.media.video.probe import probe_stream
 from vlmbatch.media.video.sampling import plan_frames
 from vlmbatch.media.video.source import VideoSource
+
+T = TypeVar("T")
+
+GPU_BACKENDS = {"pynvvideocodec", "deepstream"}
 
 # Clip label -> keyframe interval in frames (None: libx264's default, 250).
 CLIP_KINDS = {"default_gop": None, "keyframe_1s": 30}
@@ -63,11 +68,12 @@ def sampled_indices(path: Path, frames: int) -> list[int]:
     return plan_frames(index.timestamps, parse_video_options({"num_frames": frames})).indices
 
 
-def time_requests(load_once: Callable[[], object], requests: int, threads: int) -> float:
+def time_requests(load_once: Callable[[], T], requests: int, threads: int) -> tuple[float, list[T]]:
+    """Wall time of `requests` calls on `threads` threads, and what they returned."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(lambda _: load_once(), range(requests)))
-    return time.perf_counter() - started
+        returned = list(pool.map(lambda _: load_once(), range(requests)))
+    return time.perf_counter() - started, returned
 
 
 def ffmpeg_extract(path: Path, indices: Sequence[int]) -> None:
@@ -94,18 +100,20 @@ def run_video_bench(
     results: list[BenchResult] = []
     for label in CLIP_KINDS:
         path = make_bench_clip(clip_dir, label, seconds, width, height)
+        for backend in set(backends) & GPU_BACKENDS:  # not timed: CUDA context and decoder session set-up
+            load_video(str(path), parse_video_options({"backend": backend, "num_frames": 2}))
         for frames in frame_counts:
             expected = sampled_indices(path, frames)
             for threads in thread_counts:
                 requests = threads * requests_per_thread
                 group: list[BenchResult] = []
                 if shutil.which("ffmpeg"):
-                    elapsed = time_requests(lambda: ffmpeg_extract(path, expected), requests, threads)
+                    elapsed, _ = time_requests(lambda: ffmpeg_extract(path, expected), requests, threads)
                     group.append(_result(label, "ffmpeg-cli", frames, threads, requests, elapsed, True))
                 for backend in backends:
                     options = parse_video_options({"backend": backend, "num_frames": frames})
-                    matched = load_video(str(path), options).frame_indices == expected  # also warms up
-                    elapsed = time_requests(lambda: load_video(str(path), options), requests, threads)
+                    elapsed, loaded = time_requests(lambda: load_video(str(path), options), requests, threads)
+                    matched = all(video.frame_indices == expected for video in loaded)
                     group.append(_result(label, backend, frames, threads, requests, elapsed, matched))
                 best = min(r.seconds for r in group if r.backend != "ffmpeg-cli") if backends else 0.0
                 for result in group:
