@@ -84,6 +84,9 @@ def make_app(broker_url: str) -> Celery:
         worker_cancel_long_running_tasks_on_connection_loss=False,
         # Nobody consumes task events; sending them is broker traffic per shard.
         worker_send_task_events=False,
+        # Jobs are controlled through our own Redis keys, not Celery's broadcast commands;
+        # without the pidbox (a pub/sub consumer) a warm shutdown ends in well under a second.
+        worker_enable_remote_control=False,
         # Shards are never rate limited; the check only costs time per message.
         worker_disable_rate_limits=True,
     )

@@ -52,7 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slot", default="cpu", help="GPU index this process is pinned to, or 'cpu'")
     parser.add_argument("--dry-run", action="store_true", help="validate rows without a model (queue benchmark)")
     args = parser.parse_args(argv)
-    sys.exit(serve(args.model, args.broker, args.slot, args.dry_run))
+    code = serve(args.model, args.broker, args.slot, args.dry_run)
+    # Everything that matters is already in the folder and in Redis; tearing down a loaded
+    # model at interpreter exit is seconds of garbage collection, so skip it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
