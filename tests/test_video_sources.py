@@ -96,6 +96,15 @@ def test_local_paths_stay_inside_the_allowed_folder(clip: Path, tmp_path: Path):
     assert load_video("inside.mp4", OPTIONS, ctx).num_frames == 4
 
 
+def test_local_files_can_be_refused_altogether(clip: Path):
+    ctx = VideoContext(allow_local_files=False)
+    for ref in [str(clip), f"file://{clip}", {"bytes": None, "path": str(clip)}]:
+        with pytest.raises(RowError) as caught:
+            load_video(ref, OPTIONS, ctx)
+        assert caught.value.error_type == ErrorType.MEDIA_FORBIDDEN
+    assert load_video(clip.read_bytes(), OPTIONS, ctx).num_frames == 4  # inline bytes are not local files
+
+
 def test_http_errors_and_the_video_fetch_timeout(server: str, monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(RowError) as caught:
         load_video(f"{server}/missing.mp4", OPTIONS)
@@ -116,6 +125,7 @@ def test_http_errors_and_the_video_fetch_timeout(server: str, monkeypatch: pytes
         ({"path": None, "bytes": None}, ErrorType.INVALID_ROW),
         (12, ErrorType.INVALID_ROW),
         (b"", ErrorType.MEDIA_DECODE),
+        ("ftp://example.com/clip.mp4", ErrorType.MEDIA_FORBIDDEN),
     ],
 )
 def test_malformed_references(ref, error_type):

@@ -33,7 +33,8 @@ class VideoContext:
     """Where relative paths resolve, which local folder is allowed, how URLs are fetched.
 
     `allowed_local_path` None allows any local path (batch jobs read their own
-    disk); the server sets it from `--allowed-local-media-path`. `fetch_policy`
+    disk); the server sets it from `--allowed-local-media-path`, and without that
+    flag sets `allow_local_files=False` (as `image.MediaContext` does). `fetch_policy`
     is a `vlmbatch.media.fetch.FetchPolicy` meant for videos (`FetchPolicy.for_videos(...)`:
     the video timeout and size cap); None uses `FetchPolicy.for_videos()`.
     """
@@ -41,6 +42,7 @@ class VideoContext:
     base_dir: str | None = None
     allowed_local_path: str | None = None
     fetch_policy: Any = None
+    allow_local_files: bool = True
 
 
 def resolve_video_source(ref: Any, ctx: VideoContext | None = None, param: str = "video") -> VideoSource:
@@ -65,6 +67,8 @@ def resolve_video_source(ref: Any, ctx: VideoContext | None = None, param: str =
         return _from_bytes(_decode_data_url(ref, param), "<data URL>", param)
     if scheme == "file":
         return _local(unquote(urlparse(ref).path), ctx, param)
+    if "://" in ref:
+        raise RowError(ErrorType.MEDIA_FORBIDDEN, f"unsupported URL scheme {scheme!r} for a video", param)
     return _local(ref, ctx, param)
 
 
@@ -75,6 +79,8 @@ def _from_bytes(data: bytes, name: str, param: str) -> VideoSource:
 
 
 def _local(path_text: str, ctx: VideoContext, param: str) -> VideoSource:
+    if not ctx.allow_local_files:
+        raise RowError(ErrorType.MEDIA_FORBIDDEN, "local video files are not allowed here", param)
     path = Path(path_text)
     if not path.is_absolute() and ctx.base_dir:
         path = Path(ctx.base_dir) / path
