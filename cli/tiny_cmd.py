@@ -15,7 +15,7 @@ class TinyArch(str, Enum):
 
 
 def make_tiny_model_command(
-    dir: Path = typer.Argument(..., help="Folder to write the checkpoint into (created if missing)."),
+    directory: Path = typer.Argument(..., metavar="DIR", help="Folder to write the checkpoint into (created if missing)."),
     arch: TinyArch = typer.Option(TinyArch.qwen2_5_vl, "--arch", help="Model family to imitate."),
     seed: int = typer.Option(0, "--seed", help="Weight seed; the same seed gives byte-identical weights."),
 ) -> None:
@@ -24,7 +24,7 @@ def make_tiny_model_command(
     gibberish: it exists to exercise the pipeline without downloading a real model."""
     from vlmbatch.testing.tiny import make_tiny_model
 
-    path = make_tiny_model(dir, arch.value, seed=seed)
+    path = make_tiny_model(directory, arch.value, seed=seed)
     typer.echo(str(path))
 
 
