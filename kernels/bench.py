@@ -41,7 +41,7 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16)
 PAGE_SWEEP = (16, 64, 256)
 SWEEP_PAGE = 128
 DECODE_CONFIGS = tuple(
-    DecodeConfig(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)
+    DecodeConfig(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 4)
 )
 PREFILL_CONFIGS = (
     PrefillConfig(128, 64, 8, 3),

@@ -66,6 +66,7 @@ def _decode_split_kernel(
     out_ptr,
     lse_ptr,
     scale_log2,
+    num_splits,
     stride_q_seq,
     stride_q_head,
     stride_k_block,
@@ -83,7 +84,6 @@ def _decode_split_kernel(
     GROUP_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -94,7 +94,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     context_len = tl.load(context_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
@@ -137,6 +137,7 @@ def _decode_merge_kernel(
     partial_ptr,
     lse_ptr,
     out_ptr,
+    num_splits,
     stride_p_seq,
     stride_p_head,
     stride_p_split,
@@ -144,7 +145,6 @@ def _decode_merge_kernel(
     stride_lse_head,
     stride_o_seq,
     stride_o_head,
-    NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -154,14 +154,14 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     lse = tl.load(
-        lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf")
+        lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s, mask=offs_s < num_splits, other=float("-inf")
     )
     lse_max = tl.max(lse, 0)
     # All splits empty only for a zero-length context: its output is 0.
     weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     partial = tl.load(
         partial_ptr + seq * stride_p_seq + head * stride_p_head + offs_s[:, None] * stride_p_split + offs_d[None, :],
-        mask=(offs_s[:, None] < NUM_SPLITS) & (offs_d[None, :] < HEAD_DIM),
+        mask=(offs_s[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
     total = tl.sum(weights, 0)
@@ -207,25 +207,25 @@ def paged_decode_attention(
         lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, stage1_out, lse,
-        softmax_scale * LOG2_E,
+        softmax_scale * LOG2_E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         stage1_out.stride(0), stage1_out.stride(1), stage1_out.stride(2),
         lse.stride(0), lse.stride(1),
-        GROUP_SIZE=group_size, PAGE_SIZE=page_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        GROUP_SIZE=group_size, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n, BLOCK_D=block_d,
         STORE_LSE=num_splits > 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
-            stage1_out, lse, out,
+            stage1_out, lse, out, num_splits,
             stage1_out.stride(0), stage1_out.stride(1), stage1_out.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             num_warps=4,
         )  # fmt: skip
