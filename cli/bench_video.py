@@ -69,6 +69,10 @@ def bench_video(
         table.add_column(column, justify="left" if column in ("clip", "backend") else "right", no_wrap=True)
 
     def show(result) -> None:
+        console.print(  # progress: a full run takes minutes on a small machine
+            f"{result.clip} {result.frames} frames, {result.threads} threads, {result.backend}: "
+            f"{result.frames_per_s:,.1f} frames/s, {result.requests_per_s:,.2f} requests/s"
+        )
         table.add_row(
             result.clip, str(result.frames), str(result.threads), result.backend, f"{result.frames_per_s:,.1f}",
             f"{result.requests_per_s:,.2f}", f"{result.slowdown_vs_best:.2f}x", "yes" if result.frame_indices_match else "NO",

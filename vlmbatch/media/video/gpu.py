@@ -88,7 +88,7 @@ def rotate_frame(frame: Any, rotation: int) -> Any:
     """Display rotation (FFmpeg's counter-clockwise degrees) of an (H, W, 3) tensor."""
     import torch
 
-    turns = (rotation // 90) % 4
+    turns = (int(rotation) // 90) % 4
     return torch.rot90(frame, turns, dims=(0, 1)).contiguous() if turns else frame
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video.source import VideoSource
@@ -60,14 +61,20 @@ def probe_stream(source: VideoSource) -> StreamIndex:
     return _probe_with_pyav(source)
 
 
-def _probe_with_pyav(source: VideoSource) -> StreamIndex:
+def open_container(source: VideoSource) -> Any:
+    """A PyAV container on a path or bytes; unreadable input is the row's decode error."""
     import av
 
     try:
-        container = av.open(source.path if source.path is not None else io.BytesIO(source.data))
+        return av.open(source.path if source.path is not None else io.BytesIO(source.data))
     except av.FFmpegError as exc:
         raise RowError(ErrorType.MEDIA_DECODE, f"cannot open video {source.name}: {exc}") from exc
-    with container:
+
+
+def _probe_with_pyav(source: VideoSource) -> StreamIndex:
+    import av
+
+    with open_container(source) as container:
         if not container.streams.video:
             raise RowError(ErrorType.MEDIA_DECODE, f"{source.name} has no video stream")
         stream = container.streams.video[0]

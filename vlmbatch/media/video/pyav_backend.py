@@ -6,23 +6,21 @@ so frames are rotated here, the way OpenCV and torchcodec show them.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video.base import VideoBackend, walk_frames
 from vlmbatch.media.video.options import VideoOptions
-from vlmbatch.media.video.probe import StreamIndex
+from vlmbatch.media.video.probe import StreamIndex, open_container
 from vlmbatch.media.video.sampling import nearest_frame
 from vlmbatch.media.video.source import VideoSource
 
 
 def rotate_to_display(frame: np.ndarray, rotation: int) -> np.ndarray:
     """Apply a display rotation given in FFmpeg's degrees (counter-clockwise)."""
-    turns = (rotation // 90) % 4
+    turns = (int(rotation) // 90) % 4
     return np.ascontiguousarray(np.rot90(frame, turns)) if turns else frame
 
 
@@ -30,13 +28,7 @@ class PyAVBackend(VideoBackend):
     name = "pyav"
 
     def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
-        import av
-
-        try:
-            container = av.open(source.path if source.path is not None else io.BytesIO(source.data))
-        except av.FFmpegError as exc:
-            raise RowError(ErrorType.MEDIA_DECODE, f"cannot open video {source.name}: {exc}") from exc
-        with container:
+        with open_container(source) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             start = stream.start_time or 0

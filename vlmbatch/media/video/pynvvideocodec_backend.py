@@ -23,7 +23,7 @@ from typing import Any
 from vlmbatch.media.video.base import fill_missing
 from vlmbatch.media.video.gpu import DeviceFramesBackend, ProcessResource, display_rotation, nv12_to_rgb, rotate_frame
 from vlmbatch.media.video.options import VideoOptions
-from vlmbatch.media.video.probe import StreamIndex
+from vlmbatch.media.video.probe import StreamIndex, open_container
 from vlmbatch.media.video.source import VideoSource
 
 
@@ -69,12 +69,10 @@ def stream_colour(source: VideoSource) -> tuple[str, bool]:
     (`ColorSpace()` / `ColorRange()`, paths only). Untagged means BT.601, limited.
     """
     try:
-        import av
+        import av  # noqa: F401
     except ImportError:
         return _colour_from_nvdemuxer(source)
-    import io
-
-    with av.open(source.path if source.path is not None else io.BytesIO(source.data)) as container:
+    with open_container(source) as container:
         context = container.streams.video[0].codec_context
         full = context.color_range == 2 or context.pix_fmt in ("yuvj420p", "yuvj422p", "yuvj444p")
         return ("bt709" if context.colorspace == 1 else "bt601"), bool(full)
