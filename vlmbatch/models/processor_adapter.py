@@ -154,13 +154,27 @@ class ProcessorAdapter(ModelAdapter):
         if videos:  # frame counts and per-frame caps: let the processor decide
             return self.prepare(prompt, images, videos, max_tokens).num_tokens
         self._validate(prompt, images, [])
-        num_tokens = len(self.tokenizer(prompt)["input_ids"])
-        if images:
-            sizes = [(image.height, image.width) for image in images]
-            per_image = self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
-            num_tokens += sum(per_image) - len(images)  # each placeholder token becomes the image's tokens
+        num_tokens = self._count_text_tokens(prompt)
+        # each placeholder token becomes the image's tokens
+        num_tokens += sum(self._image_tokens(image.height, image.width) for image in images) - len(images)
         self._check_length(num_tokens, max_tokens)
         return num_tokens
+
+    def _count_text_tokens(self, prompt: str) -> int:
+        """The tokenizer's own count, through the Rust tokenizer directly when there is one
+        (the Python wrapper costs more than the tokenisation for short prompts)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return len(self.tokenizer(prompt)["input_ids"])
+        return len(backend.encode(prompt, add_special_tokens=True).ids)
+
+    def _image_tokens(self, height: int, width: int) -> int:
+        """Tokens of one image of this size, memoised: datasets repeat sizes, the formula is slow."""
+        cache = self.__dict__.setdefault("_image_token_cache", {})
+        if (height, width) not in cache:
+            counts = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens
+            cache[(height, width)] = counts[0]
+        return cache[(height, width)]
 
     def prepare(
         self,
