@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -41,8 +42,11 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16)
 PAGE_SWEEP = (16, 64, 256)
 SWEEP_PAGE = 128
 DECODE_CONFIGS = tuple(
-    DecodeConfig(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 4)
-)
+    DecodeConfig(block_n, warps, stages)
+    for block_n, warps, stages in (
+        (32, 4, 2), (32, 4, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
+    )
+)  # fmt: skip
 PREFILL_CONFIGS = (
     PrefillConfig(128, 64, 8, 3),
     PrefillConfig(128, 64, 4, 3),
@@ -184,7 +188,7 @@ def bench_decode(device: torch.device, copy_tb_s: float, sweep_configs: bool = T
                 for page in (SWEEP_PAGE, *PAGE_SWEEP):
                     kv = make_paged_kv([context] * batch, num_kv_heads, HEAD_DIM, page, dtype, device)
                     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, HEAD_DIM**-0.5)
-                    auto = choose_num_splits(batch, num_kv_heads, kv.block_tables.shape[1] * page, sm_count(device), 64)
+                    auto = choose_num_splits(batch, num_kv_heads, kv.block_tables.shape[1] * page, sm_count(device), DecodeConfig().block_n)
                     rows.append(row(page, f"triton splits=auto({auto})", median_ms(lambda: paged_decode_attention(*args))))
                     if page != SWEEP_PAGE:
                         continue
@@ -256,19 +260,28 @@ def run_kernel_bench(json_path: Path | None, sweep_configs: bool = True, echo: C
     """Check, then time; print the tables and write them to `json_path` when given."""
     device = torch.device("cuda")
     report = BenchReport(device=torch.cuda.get_device_name(device))
+    started = time.perf_counter()
+
+    def section(title: str, rows: list[dict], columns: list[str]) -> None:
+        """Print a finished section and save everything so far (a run cut short keeps it)."""
+        echo(f"\n== {title} ({time.perf_counter() - started:.0f} s into the run)\n" + format_table(rows, columns))
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps({**report.__dict__, "ok": report.ok}, indent=1, default=str))
+
     for dtype in (torch.bfloat16, torch.float16):
         report.checks += check_kernels(device, dtype)
-    echo(format_table(report.checks, ["kernel", "dtype", "max_abs", "max_rel", "nan", "ok"]))
+    section("kernels vs references", report.checks, ["kernel", "dtype", "max_abs", "max_rel", "nan", "ok"])
     if not report.ok:
         echo("FAILED: a kernel disagrees with its reference (see above); timings follow anyway")
     report.ceilings = measure_ceilings(device)
     echo(f"\nceilings: {report.ceilings}")
-    report.decode = bench_decode(device, report.ceilings["copy_tb_s"], sweep_configs)
-    echo("\n" + format_table(report.decode, ["model", "batch", "context", "page", "variant", "ms", "kv_tb_s", "pct_of_copy"]))
     report.prefill = bench_prefill(device, report.ceilings["matmul_bf16_tflop_s"])
-    echo("\n" + format_table(report.prefill, ["prefix", "page", "variant", "ms", "tflop_s", "pct_of_matmul"]))
+    section(f"prefill (bf16, {PREFILL_BATCH} x {PREFILL_LEN} causal, 3B heads)", report.prefill,
+            ["prefix", "page", "variant", "ms", "tflop_s", "pct_of_matmul"])  # fmt: skip
+    report.decode = bench_decode(device, report.ceilings["copy_tb_s"], sweep_configs)
+    section("decode (bf16; kv_tb_s = K and V bytes read / time)", report.decode,
+            ["model", "batch", "context", "page", "variant", "ms", "kv_tb_s", "pct_of_copy"])  # fmt: skip
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({**report.__dict__, "ok": report.ok}, indent=1, default=str))
         echo(f"\nwrote {json_path}")
     return report
