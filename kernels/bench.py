@@ -167,44 +167,59 @@ def gathered_kv(kv: PagedKV, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
-def decode_row(model: str, batch: int, context: int, page: int, variant: str, ms: float, kv_bytes: int, copy: float) -> dict:
-    tb_s = kv_bytes / ms / 1e9
-    return {
-        "model": model, "batch": batch, "context": context, "page": page, "variant": variant,
-        "ms": ms, "kv_tb_s": tb_s, "pct_of_copy": 100 * tb_s / copy,
-    }  # fmt: skip
+@dataclass(frozen=True)
+class DecodeShape:
+    model: str
+    batch: int
+    context: int
+    num_q_heads: int
+    num_kv_heads: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.context * self.num_kv_heads * HEAD_DIM * torch.bfloat16.itemsize
 
 
 def bench_decode(device: torch.device, copy_tb_s: float, sweep_configs: bool = True) -> list[dict]:
     """Decode over every model x batch x context: split and page sweeps, SDPA peer, config sweep on the headline."""
     rows = []
-    dtype = torch.bfloat16
     for model, (num_q_heads, num_kv_heads) in MODELS.items():
         for batch in DECODE_BATCHES:
             for context in DECODE_CONTEXTS:
-                kv_bytes = 2 * batch * context * num_kv_heads * HEAD_DIM * dtype.itemsize
-                q = torch.randn(batch, num_q_heads, HEAD_DIM, device=device, dtype=dtype)
-                row = lambda page, variant, ms: decode_row(model, batch, context, page, variant, ms, kv_bytes, copy_tb_s)  # noqa: E731
-                for page in (SWEEP_PAGE, *PAGE_SWEEP):
-                    kv = make_paged_kv([context] * batch, num_kv_heads, HEAD_DIM, page, dtype, device)
-                    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, HEAD_DIM**-0.5)
-                    auto = choose_num_splits(batch, num_kv_heads, kv.block_tables.shape[1] * page, sm_count(device), DecodeConfig().block_n)
-                    rows.append(row(page, f"triton splits=auto({auto})", median_ms(lambda: paged_decode_attention(*args))))
-                    if page != SWEEP_PAGE:
-                        continue
-                    for splits in SPLIT_SWEEP:
-                        ms = median_ms(lambda: paged_decode_attention(*args, num_splits=splits))
-                        rows.append(row(page, f"triton splits={splits}", ms))
-                    if sweep_configs and model == "3B" and batch == 256 and context == 1024:
-                        for config in DECODE_CONFIGS:
-                            ms = median_ms(lambda: paged_decode_attention(*args, config=config))
-                            rows.append(row(page, f"triton {config}", ms))
-                    k, v = gathered_kv(kv, batch)
-                    q4 = q.unsqueeze(2)
-                    ms = median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
-                    rows.append(row(page, "torch SDPA (gathered contiguous)", ms))
-                    del k, v
-                del kv
+                shape = DecodeShape(model, batch, context, num_q_heads, num_kv_heads)
+                headline = sweep_configs and (model, batch, context) == ("3B", 256, 1024)
+                rows += bench_decode_shape(shape, device, copy_tb_s, DECODE_CONFIGS if headline else ())
+    return rows
+
+
+def bench_decode_shape(
+    shape: DecodeShape, device: torch.device, copy_tb_s: float, configs: tuple[DecodeConfig, ...]
+) -> list[dict]:
+    """One shape: the automatic split at every page size; at SWEEP_PAGE each split count, `configs`, and SDPA."""
+    rows = []
+    q = torch.randn(shape.batch, shape.num_q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+
+    def add(page: int, variant: str, fn: Callable[[], object]) -> None:
+        ms = median_ms(fn)
+        tb_s = shape.kv_bytes / ms / 1e9
+        rows.append({**shape.__dict__, "page": page, "variant": variant, "ms": ms, "kv_tb_s": tb_s,
+                     "pct_of_copy": 100 * tb_s / copy_tb_s})  # fmt: skip
+
+    for page in (SWEEP_PAGE, *PAGE_SWEEP):
+        kv = make_paged_kv([shape.context] * shape.batch, shape.num_kv_heads, HEAD_DIM, page, torch.bfloat16, device)
+        args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, HEAD_DIM**-0.5)
+        max_context = kv.block_tables.shape[1] * page
+        auto = choose_num_splits(shape.batch, shape.num_kv_heads, max_context, sm_count(device), DecodeConfig().block_n)
+        add(page, f"triton splits=auto({auto})", lambda: paged_decode_attention(*args))
+        if page != SWEEP_PAGE:
+            continue
+        for splits in SPLIT_SWEEP:
+            add(page, f"triton splits={splits}", lambda: paged_decode_attention(*args, num_splits=splits))
+        for config in configs:
+            add(page, f"triton {config}", lambda: paged_decode_attention(*args, config=config))
+        k, v = gathered_kv(kv, shape.batch)
+        q4 = q.unsqueeze(2)
+        add(page, "torch SDPA (gathered contiguous)", lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
     return rows
 
 
@@ -231,7 +246,8 @@ def bench_prefill(device: torch.device, matmul_tflop_s: float) -> list[dict]:
             kv = make_paged_kv([prefix + PREFILL_LEN] * PREFILL_BATCH, num_kv_heads, HEAD_DIM, page, dtype, device)
             args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, PREFILL_LEN, scale)
             for config in PREFILL_CONFIGS if (prefix, page) == (0, 128) else (PrefillConfig(),):
-                rows.append(row(prefix, page, f"triton {config}", median_ms(lambda: paged_prefill_attention(*args, config=config))))
+                ms = median_ms(lambda: paged_prefill_attention(*args, config=config))
+                rows.append(row(prefix, page, f"triton {config}", ms))
             if prefix == 0 and page == 128:
                 q4 = q.view(PREFILL_BATCH, PREFILL_LEN, num_q_heads, HEAD_DIM).transpose(1, 2)
                 k, v = gathered_kv(kv, PREFILL_BATCH)
@@ -256,7 +272,9 @@ def _cell(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def run_kernel_bench(json_path: Path | None, sweep_configs: bool = True, echo: Callable[[str], None] = print) -> BenchReport:
+def run_kernel_bench(
+    json_path: Path | None, sweep_configs: bool = True, echo: Callable[[str], None] = print
+) -> BenchReport:
     """Check, then time; print the tables and write them to `json_path` when given."""
     device = torch.device("cuda")
     report = BenchReport(device=torch.cuda.get_device_name(device))

@@ -1,8 +1,9 @@
 """What the kernel tests and the GPU benchmark share: where kernels can run, tolerances, inputs.
 
-Random paged-KV inputs are laid out as the engine lays them out: blocks are handed out in a shuffled order so that every sequence's pages are scattered
-through the cache (as after a long-running engine's frees), unused table entries are -1,
-and a few spare blocks hold garbage that a correct kernel never reads.
+Random paged-KV inputs are laid out as the engine lays them out: blocks are handed out in
+a shuffled order so that every sequence's pages are scattered through the cache (as after
+a long-running engine's frees), unused table entries are -1, and a few spare blocks hold
+garbage that a correct kernel never reads.
 """
 
 from __future__ import annotations
