@@ -19,6 +19,7 @@ import json, resource, sys
 from vlmbatch.job.dryrun import dry_run
 report = dry_run(sys.argv[1], sys.argv[2])
 print(json.dumps({"rows": report.rows, "failed": report.rows_failed, "seconds": report.elapsed_s,
+                  "startup_seconds": report.startup_s, "rows_per_s": report.rows_per_s,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -43,11 +44,13 @@ def dryrun(
         dataset = write_large_parquet(folder / f"rows-{size}.parquet", size, prompt=prompt)
         child = subprocess.run([sys.executable, "-c", _CHILD, str(dataset), model], capture_output=True, text=True, check=True)
         result = json.loads(child.stdout.strip().splitlines()[-1])
-        result["rows_per_s"] = result["rows"] / result["seconds"]
         results.append(result)
-    table = Table("rows", "failed", "seconds", "rows/s", "peak RSS (MiB)", title="submit --dry-run")
+    table = Table("rows", "failed", "seconds", "start-up s", "rows/s", "peak RSS (MiB)", title="submit --dry-run")
     for r in results:
-        table.add_row(f"{r['rows']:,}", str(r["failed"]), f"{r['seconds']:.2f}", f"{r['rows_per_s']:,.0f}", f"{r['peak_rss_mib']:,.0f}")
+        table.add_row(
+            f"{r['rows']:,}", str(r["failed"]), f"{r['seconds']:.2f}", f"{r['startup_seconds']:.2f}",
+            f"{r['rows_per_s']:,.0f}", f"{r['peak_rss_mib']:,.0f}",
+        )
     Console().print(table)
     if json_out:
         json_out.write_text(json.dumps({"benchmark": "dryrun", "model": model, "results": results}, indent=2))

@@ -81,7 +81,8 @@ def build_prompt(
             prompt = adapter.apply_chat_template(messages)
         image_refs = image_refs + message_images
         video_refs = video_refs + message_videos
-    images = [media.image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
+    load_image = media.image_size if check_only else media.image
+    images = [load_image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
     videos = [media.video(ref, f"video[{i}]", request.media_io_kwargs) for i, ref in enumerate(video_refs)]
     if adapter is None:
         return None

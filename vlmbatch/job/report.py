@@ -32,7 +32,7 @@ def print_dry_run(report: Any, console: Console, examples: int = 10) -> None:
     table.add_row("rows", f"{report.rows:,} ({report.rows_failed:,} would fail)")
     for error_type, count in sorted(report.errors_by_type.items()):
         table.add_row(f"  {error_type}", f"{count:,}")
-    table.add_row("time", f"{report.elapsed_s:,.2f} s ({report.rows / max(report.elapsed_s, 1e-9):,.0f} rows/s)")
+    table.add_row("time", f"{report.elapsed_s:,.2f} s ({report.rows_per_s:,.0f} rows/s after {report.startup_s:.1f} s start-up)")
     console.print(table)
     for row_id, error_type, message in report.examples[:examples]:
         console.print(f"  row {row_id}: [red]{error_type}[/red] {message}")

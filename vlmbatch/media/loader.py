@@ -12,7 +12,7 @@ from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.fetch import FetchPolicy
-from vlmbatch.media.image import DEFAULT_MAX_PIXELS, MediaContext, load_image
+from vlmbatch.media.image import DEFAULT_MAX_PIXELS, ImageSize, MediaContext, load_image, probe_image
 from vlmbatch.media.types import VideoFrames
 
 IMAGE_OPTIONS = {"max_pixels"}
@@ -59,6 +59,10 @@ class MediaLoader:
 
     def image(self, ref: Any, param: str = "image") -> Any:
         return load_image(ref, self.image_context, param)
+
+    def image_size(self, ref: Any, param: str = "image") -> ImageSize:
+        """Header-level check for dry runs (see `probe_image`)."""
+        return probe_image(ref, self.image_context, param)
 
     def video(self, ref: Any, param: str = "video", overrides: dict[str, Any] | None = None) -> VideoFrames:
         from vlmbatch.media.video import load_video, override_video_options
