@@ -155,3 +155,16 @@ def test_stop_string_truncates_text_and_abort_drops_request(qwen_engine):
     assert stopped.text == full.text[: full.text.find(stop)]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_n_completions_come_back_together_and_follow_their_seeds(qwen_engine):
+    adapter, engine = qwen_engine
+    prompt = qwen_prompt("the quick brown fox", 0, False)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    output = generate(engine, adapter, {"many": (prompt, params)})["many"]
+    assert [c.index for c in output.outputs] == [0, 1, 2] and output.finished
+    assert all(len(c.token_ids) == 10 for c in output.outputs)
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    # completion k is the single request seeded seed + k
+    second = generate(engine, adapter, {"one": (prompt, params.updated(n=1, seed=4))})["one"]
+    assert second.outputs[0].token_ids == output.outputs[1].token_ids

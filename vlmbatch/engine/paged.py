@@ -7,7 +7,8 @@ admitted requests (vision tower, batched, cached by content) → one forward + s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -94,8 +95,7 @@ class PagedEngine(Engine):
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
-        self.seqs: dict[str, Sequence] = {}
-        self.detokenizers: dict[str, _Detokenizer] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.stats = EngineStats()
         self._arrivals = 0
 
@@ -106,10 +106,10 @@ class PagedEngine(Engine):
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
-        if request_id in self.seqs:
+        """Queue a request; n > 1 becomes n sequences (seeds seed, seed + 1, ...) whose
+        shared prompt blocks the prefix cache deduplicates once the first is computed."""
+        if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
-        if params.n != 1:
-            raise RowError(ErrorType.INVALID_ROW, "the paged engine generates one completion per request (n=1)", "n")
         total = prompt.num_tokens + params.max_tokens
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if total > min(self.max_model_len, capacity):
@@ -119,13 +119,17 @@ class PagedEngine(Engine):
                 f"the engine's limit of {min(self.max_model_len, capacity)} tokens",
                 "prompt",
             )
-        seq = Sequence(request_id, list(prompt.prompt_token_ids), params, prompt=prompt.prompt, arrival=self._arrivals)
-        self._arrivals += 1
-        if prompt.mm_inputs:
-            seq.mm = self._multimodal_data(prompt)
-        self.seqs[request_id] = seq
-        self.detokenizers[request_id] = _Detokenizer(self.tokenizer)
-        self.scheduler.add(seq)
+        mm = self._multimodal_data(prompt) if prompt.mm_inputs else None
+        group = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            seq = Sequence(request_id, list(prompt.prompt_token_ids), replace(params, n=1, seed=seed),
+                           prompt=prompt.prompt, mm=copy.copy(mm), arrival=self._arrivals, index=index,
+                           detokenizer=_Detokenizer(self.tokenizer))
+            self._arrivals += 1
+            group.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = group
 
     def _multimodal_data(self, prompt: PreparedPrompt) -> MultimodalData:
         """Media items, the prompt positions their tokens fill, and M-RoPE positions."""
@@ -151,9 +155,7 @@ class PagedEngine(Engine):
         )
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        self.detokenizers.pop(request_id, None)
-        if seq is not None:
+        for seq in self.requests.pop(request_id, []):
             self.scheduler.remove(seq)
             seq.status = SequenceStatus.FINISHED
 
@@ -169,14 +171,17 @@ class PagedEngine(Engine):
         seqs, tokens = self.runner.run(batch)
         self.scheduler.finish_step(batch)
         self._count(batch)
-        outputs = []
+        progressed = {}
         for seq, token in zip(seqs, tokens):
             self._append(seq, token)
             self.stats.num_generated_tokens += 1
-            outputs.append(self._output(seq))
+            progressed[seq.request_id] = None
             if seq.is_finished:
                 self.scheduler.remove(seq)
-                del self.seqs[seq.request_id], self.detokenizers[seq.request_id]
+        outputs = [self._output(request_id) for request_id in progressed]
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
         return outputs
 
     @torch.no_grad()
@@ -216,7 +221,7 @@ class PagedEngine(Engine):
             seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", token
             return
         previous = len(seq.text)
-        seq.text += self.detokenizers[seq.request_id].step(token)
+        seq.text += seq.detokenizer.step(token)
         for stop in params.stop:
             at = seq.text.find(stop, max(0, previous - len(stop) + 1))
             if at >= 0:
@@ -226,9 +231,14 @@ class PagedEngine(Engine):
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [completion], seq.is_finished)
+    def _output(self, request_id: str) -> RequestOutput:
+        group = self.requests[request_id]
+        completions = [
+            CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason) for s in group
+        ]
+        first = group[0]
+        return RequestOutput(request_id, first.prompt, first.token_ids[: first.num_prompt_tokens], completions,
+                             all(s.is_finished for s in group))
 
     def _count(self, batch: ScheduledBatch) -> None:
         s = self.stats

@@ -52,6 +52,7 @@ class Sequence:
     prompt: str | None = None
     mm: MultimodalData | None = None
     arrival: int = 0
+    index: int = 0  # which of the request's n completions this is
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = field(init=False)
     # Tokens whose KV is in the cache (prefix-cache hits included). The scheduler
@@ -64,6 +65,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    detokenizer: Any = None  # incremental detokeniser state of `text`
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
