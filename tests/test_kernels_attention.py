@@ -54,7 +54,7 @@ def cu_seqlens(q_lens: list[int]) -> torch.Tensor:
 def test_decode_matches_reference(dtype, num_q_heads, num_kv_heads, head_dim, num_splits):
     # 1 token, a partial page, exact pages, several pages; 8 splits leave some splits empty.
     context_lens = [1, 13, 32, 75]
-    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, 16, dtype, TARGET.device, torch.Generator().manual_seed(1))
+    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, 16, dtype, TARGET.device, seed=1)
     q = random_queries(len(context_lens), num_q_heads, head_dim, dtype, seed=2)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE)
     out = paged_decode_attention(*args, num_splits=num_splits, config=DecodeConfig(block_n=16))
@@ -66,7 +66,7 @@ def test_decode_matches_reference(dtype, num_q_heads, num_kv_heads, head_dim, nu
 @pytest.mark.parametrize(("page_size", "block_n"), [(8, 32), (32, 16)], ids=["tile-spans-pages", "page-spans-tiles"])
 def test_decode_tiles_independent_of_page_size(dtype, page_size, block_n):
     context_lens = [5, 40, 66]
-    kv = make_paged_kv(context_lens, 2, 32, page_size, dtype, TARGET.device, torch.Generator().manual_seed(3))
+    kv = make_paged_kv(context_lens, 2, 32, page_size, dtype, TARGET.device, seed=3)
     q = random_queries(len(context_lens), 8, 32, dtype, seed=4)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE)
     out = paged_decode_attention(*args, num_splits=2, config=DecodeConfig(block_n=block_n))
@@ -77,7 +77,7 @@ def test_decode_tiles_independent_of_page_size(dtype, page_size, block_n):
 def test_decode_of_an_empty_context_is_zero():
     """A padding row (context 0, e.g. in a CUDA-graph batch) must give zeros, not NaN."""
     dtype = DTYPES[-1]
-    kv = make_paged_kv([20, 1], 2, 16, 16, dtype, TARGET.device, torch.Generator().manual_seed(5))
+    kv = make_paged_kv([20, 1], 2, 16, 16, dtype, TARGET.device, seed=5)
     kv.context_lens[1] = 0
     q = random_queries(2, 4, 16, dtype, seed=6)
     for num_splits in (1, 2):
@@ -85,9 +85,8 @@ def test_decode_of_an_empty_context_is_zero():
             q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE, num_splits=num_splits
         )
         assert torch.equal(out[1], torch.zeros_like(out[1]))
-        assert_matches(
-            out[:1], paged_decode_attention_ref(q[:1], kv.k_cache, kv.v_cache, kv.block_tables[:1], kv.context_lens[:1], SCALE)
-        )
+        ref = paged_decode_attention_ref(q[:1], kv.k_cache, kv.v_cache, kv.block_tables[:1], kv.context_lens[:1], SCALE)
+        assert_matches(out[:1], ref)
 
 
 @needs_kernels
@@ -100,21 +99,22 @@ def test_prefill_matches_reference_on_mixed_batches(dtype, num_q_heads, num_kv_h
     q_lens = [20, 7, 1, 11, 40]
     context_lens = [20, 37, 50, 27, 40]
     head_dim = 32
-    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, 16, dtype, TARGET.device, torch.Generator().manual_seed(7))
+    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, 16, dtype, TARGET.device, seed=7)
     q = random_queries(sum(q_lens), num_q_heads, head_dim, dtype, seed=8)
     cu = cu_seqlens(q_lens)
     out = paged_prefill_attention(
         q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, max(q_lens), SCALE,
         config=PrefillConfig(block_m=block_m, block_n=block_n),
     )  # fmt: skip
-    assert_matches(out, paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, SCALE))
+    ref = paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, SCALE)
+    assert_matches(out, ref)
 
 
 @needs_kernels
 def test_prefill_with_one_query_per_sequence_equals_decode():
     dtype = DTYPES[0]
     context_lens = [1, 30, 64]
-    kv = make_paged_kv(context_lens, 2, 32, 16, dtype, TARGET.device, torch.Generator().manual_seed(9))
+    kv = make_paged_kv(context_lens, 2, 32, 16, dtype, TARGET.device, seed=9)
     q = random_queries(len(context_lens), 8, 32, dtype, seed=10)
     prefill = paged_prefill_attention(
         q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens([1, 1, 1]), kv.context_lens, 1, SCALE,

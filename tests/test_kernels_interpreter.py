@@ -23,8 +23,9 @@ KERNEL_TEST_FILES = ["test_kernels_attention.py", "test_kernels_elementwise.py"]
 @pytest.mark.timeout(300)
 def test_kernels_pass_under_the_triton_interpreter():
     tests_dir = Path(__file__).parent
+    test_files = [str(tests_dir / name) for name in KERNEL_TEST_FILES]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(tests_dir / f) for f in KERNEL_TEST_FILES)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *test_files],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         cwd=tests_dir.parent,
         capture_output=True,
