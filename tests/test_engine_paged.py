@@ -116,6 +116,25 @@ def test_greedy_tokens_match_transformers(arch, count, tiny_model_dir):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # all freed
 
 
+def test_static_decode_buffers_with_padding_match_transformers(tiny_qwen):
+    """The CUDA-graph decode path (static buffers, batch padded to a captured size, padding
+    rows writing into the spare block) run eagerly on the CPU."""
+    path = str(tiny_qwen)
+    adapter = load_adapter(path)
+    engine = PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=7)
+    engine.runner.prepare_static_decode(7, capture=False)
+    assert sorted(engine.runner.graphs) == [1, 2, 4, 7]
+    hf_model = load_hf_model(path, "float32", "cpu")
+    prepared = {}
+    for request_id, text, images, videos, max_tokens in build_requests(adapter, "qwen2_5_vl", 10, seed=5):
+        prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
+        engine.add_request(request_id, prepared[request_id][0], SamplingParams(max_tokens=max_tokens, temperature=0))
+    outputs = run_to_completion(engine)
+    for request_id, (prompt, max_tokens) in prepared.items():
+        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
+    assert engine.stats.num_graph_replays == engine.stats.num_decode_steps > 0
+
+
 @pytest.fixture(scope="module")
 def qwen_engine(tiny_model_dir):
     path = str(tiny_model_dir("qwen2_5_vl"))

@@ -110,9 +110,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from vlmbatch import kernels
-
-        self.kernels = kernels
+        self.kernels = importlib.import_module("vlmbatch.kernels")
 
     def store_kv(self, k, v, k_cache, v_cache, meta):
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)

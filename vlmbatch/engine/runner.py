@@ -59,10 +59,12 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks or self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
         self.kv_caches = self._allocate_cache(self.num_kv_blocks + 1)
         self.pad_slot = self.num_kv_blocks * block_size  # the spare block
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Decode batch size -> its CUDA graph; None = the same static buffers run eagerly
+        # (`prepare_static_decode(capture=False)`: lets the CPU tests cover the padding logic).
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.num_graph_replays = 0
         if device.type == "cuda" and not enforce_eager:
-            self._capture_decode_graphs(max_num_seqs)
+            self.prepare_static_decode(max_num_seqs, capture=True)
 
     # ---- KV cache -------------------------------------------------------------------
     def _block_bytes(self) -> int:
@@ -218,10 +220,13 @@ class ModelRunner:
         """Switch attention backends (benchmarks compare them on one loaded model)."""
         self.backend = backend
         if self.graphs:
+            capture = any(g is not None for g in self.graphs.values())
             self.graphs.clear()
-            self._capture_decode_graphs(len(self.static["ids"]))
+            self.prepare_static_decode(len(self.static["ids"]), capture)
 
-    def _capture_decode_graphs(self, max_num_seqs: int) -> None:
+    @torch.no_grad()
+    def prepare_static_decode(self, max_num_seqs: int, capture: bool) -> None:
+        """Static decode buffers for batch sizes up to `max_num_seqs`, captured as CUDA graphs."""
         n = max_num_seqs
         self.static = {
             "ids": torch.zeros(n, dtype=torch.long, device=self.device),
@@ -237,6 +242,9 @@ class ModelRunner:
         self.graph_logits: dict[int, torch.Tensor] = {}
         pool = None
         for size in reversed(graph_batch_sizes(max_num_seqs)):
+            if not capture:
+                self.graphs[size] = None
+                continue
             meta = self._static_meta_view(size)
             self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
             graph = torch.cuda.CUDAGraph()
@@ -244,7 +252,8 @@ class ModelRunner:
                 self.graph_logits[size] = self._decode_forward(size, meta)
             pool = graph.pool()
             self.graphs[size] = graph
-        torch.cuda.synchronize()
+        if capture:
+            torch.cuda.synchronize()
 
     def _static_meta_view(self, size: int) -> AttentionMetadata:
         meta = self.static["meta"]
@@ -276,6 +285,10 @@ class ModelRunner:
         meta.block_tables[:size].fill_(-1)
         meta.block_tables[n:size, 0] = self.num_kv_blocks
         meta.block_tables[:n, :width].copy_(host_tables.to(**to))
-        self.graphs[size].replay()
+        graph = self.graphs[size]
+        if graph is None:
+            self.graph_logits[size] = self._decode_forward(size, self._static_meta_view(size))
+        else:
+            graph.replay()
         self.num_graph_replays += 1
         return self.graph_logits[size][:n]

@@ -213,7 +213,7 @@ def build_model(hf_model: nn.Module, device: torch.device, dtype: torch.dtype) -
     with torch.device(device):
         decoder = Decoder(text_config, rotary, bias).to(dtype)
     decoder.load_from_hf(language_model, hf_model.lm_head)
-    decoder.eval()
+    decoder.eval().requires_grad_(False)
     hf_model.model.language_model = None
     hf_model.lm_head = None
     if device.type == "cuda":
