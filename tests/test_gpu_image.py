@@ -10,7 +10,13 @@ import torch
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.media.gpu_image import decode_jpegs, gpu_decodable, preprocess_images
+from vlmbatch.media.gpu_image import (
+    GPU_MAX_ABS_DIFF,
+    GPU_MEAN_ABS_DIFF,
+    decode_jpegs,
+    gpu_decodable,
+    preprocess_images,
+)
 from vlmbatch.media.image import load_image
 from vlmbatch.testing.data import (
     corrupt_image_bytes,
@@ -21,10 +27,6 @@ from vlmbatch.testing.data import (
     truncated_image_bytes,
 )
 
-# IDCT rounding differs between libjpeg-turbo and nvJPEG by a level or two of 255; after
-# normalising by CLIP's std (~0.27) that is ~0.03, and resampling spreads it a little.
-GPU_MAX_ABS_DIFF = 0.1
-GPU_MEAN_ABS_DIFF = 0.01
 
 
 @pytest.fixture(scope="module")

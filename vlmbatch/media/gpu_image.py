@@ -23,6 +23,11 @@ from vlmbatch.errors import RowError
 from vlmbatch.media.image import MediaContext, load_image
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+# How far the GPU path's processor outputs may be from the CPU path's: nvJPEG and
+# libjpeg-turbo round the IDCT differently by a level or two of 255, which normalising by
+# CLIP's std (~0.27) makes ~0.03; resampling spreads it a little.
+GPU_MAX_ABS_DIFF = 0.1
+GPU_MEAN_ABS_DIFF = 0.01
 _EXIF_ORIENTATION = 0x0112
 
 
