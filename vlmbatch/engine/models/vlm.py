@@ -22,6 +22,7 @@ from torch import nn
 
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
 from vlmbatch.engine.models.decoder import Decoder
+from vlmbatch.engine.models.packed_attention import use_packed_attention
 
 
 @dataclass
@@ -105,6 +106,10 @@ class QwenVL(VisionLanguageModel):
     """Qwen2-VL and Qwen2.5-VL: dynamic-resolution ViT with 2x2 merge, M-RoPE decoder."""
 
     mrope = True
+
+    def __init__(self, hf_model: nn.Module, decoder: Decoder, encoder_cache_size: int = 256):
+        super().__init__(hf_model, decoder, encoder_cache_size)
+        use_packed_attention(hf_model.model.visual)
 
     @property
     def placeholder_token_ids(self) -> dict[str, int]:

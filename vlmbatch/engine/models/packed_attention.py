@@ -1,0 +1,50 @@
+"""One attention call per length for Qwen-VL vision towers, instead of one per window.
+
+`transformers` runs the Qwen2-VL / Qwen2.5-VL vision attention with SDPA as a Python loop
+over every window and image (a 448x448 image has 16 windows in 28 of 32 layers), so a
+batch of 50 images costs ~25,000 small kernel launches per forward. Its varlen branch,
+taken for attention implementations whose name contains "flash", hands over all windows
+at once with `cu_seqlens`; this implementation, registered under such a name, groups
+the windows by length and runs one batched SDPA per group (same math, any device).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NAME = "flash_packed_sdpa"  # "flash" selects transformers' varlen (cu_seqlens) code path
+
+
+def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
+                scaling: float | None = None, dropout: float = 0.0, cu_seq_lens_q: torch.Tensor | None = None,
+                is_causal: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
+    """q/k/v [1, heads, total, dim] with sequences at `cu_seq_lens_q` -> [1, total, heads, dim]."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
+    bounds = cu_seq_lens_q.tolist()
+    starts_by_length: dict[int, list[int]] = defaultdict(list)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            starts_by_length[end - start].append(start)
+    out = torch.empty_like(q)
+    for length, starts in starts_by_length.items():
+        rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).to(q.device)  # [n, length]
+        batch = [t[rows].transpose(1, 2) for t in (q, k, v)]  # [n, heads, length, dim]
+        attended = F.scaled_dot_product_attention(*batch, scale=scaling, is_causal=is_causal)
+        out[rows] = attended.transpose(1, 2)
+    return out.unsqueeze(0), None
+
+
+def use_packed_attention(vision_tower: nn.Module) -> bool:
+    """Switch a Qwen-VL vision tower to `packed_sdpa`; False (tower unchanged) when this
+    transformers version has no pluggable attention interface."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
+    AttentionInterface.register(NAME, packed_sdpa)
+    vision_tower.config._attn_implementation = NAME
+    return vision_tower.config._attn_implementation == NAME
