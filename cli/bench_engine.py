@@ -22,7 +22,7 @@ def bench_engine(
     workloads: str = typer.Option("w1,w2", "--workloads", help="w1 (128 output tokens), w2 (16..512 output tokens)."),
     backends: str = typer.Option("", "--backends", help="Attention backends to check (default: every available one)."),
     extra_shapes: str = typer.Option("7b", "--extra-shapes", help="Shapes that get the decode-step roofline only ('' for none)."),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most sequences in one batch."),
+    max_num_seqs: int = typer.Option(512, "--max-num-seqs", help="Most sequences in one batch."),
     max_num_batched_tokens: int = typer.Option(16384, "--max-num-batched-tokens", help="Token budget of one prefill step."),
     gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for weights, activations and KV cache."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),

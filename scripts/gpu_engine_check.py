@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--peer-requests", type=int, default=256, help="W1/W2 requests on the generate() peer")
     parser.add_argument("--no-7b", action="store_true", help="skip the 7B decode roofline")
     parser.add_argument("--backends", default="", help="attention backends to check (default: all available)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
     import_kernels_package()

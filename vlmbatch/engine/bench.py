@@ -72,6 +72,8 @@ def random_model(shape: str, workdir: Path, dtype: torch.dtype, device: torch.de
         for key, value in SHAPES[shape]["vision"].items():
             setattr(config.vision_config, key, value)
         config.tie_word_embeddings = SHAPES[shape]["text"]["tie_word_embeddings"]
+        if getattr(config.text_config, "layer_types", None) is not None:  # derived at init: follow the new depth
+            config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
         config.save_pretrained(path)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -314,7 +316,7 @@ class BenchOptions:
     decode_steps: int = 32
     decode_batches: tuple[int, ...] = (1, 64)
     extra_shapes: tuple[str, ...] = ("7b",)  # decode roofline only
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.85
     device: str = "auto"

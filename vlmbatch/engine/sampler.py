@@ -21,9 +21,9 @@ from vlmbatch.engine.sampling_params import SamplingParams
 class SamplingBatch:
     """Per-row sampling settings for one step, already on the device."""
 
-    temperatures: torch.Tensor  # float32 [B]; 0 = greedy
-    top_ps: torch.Tensor  # float32 [B]
-    top_ks: torch.Tensor  # int64 [B]; <= 0 disables
+    temperatures: torch.Tensor | None  # float32 [B]; 0 = greedy (None: all rows greedy)
+    top_ps: torch.Tensor | None  # float32 [B]
+    top_ks: torch.Tensor | None  # int64 [B]; <= 0 disables
     seeds: list[int | None]  # per row; None = the shared generator
     positions: list[int]  # output index of the token drawn now (keys seeded noise)
     all_greedy: bool
@@ -31,6 +31,8 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, params: list[SamplingParams], positions: list[int], device: torch.device) -> "SamplingBatch":
+        if all(p.greedy for p in params):  # the common batch case: no per-row tensors to ship
+            return cls(None, None, None, [], positions, all_greedy=True, needs_top_k_top_p=False)
         return cls(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device, non_blocking=True),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device, non_blocking=True),
