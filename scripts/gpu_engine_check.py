@@ -5,7 +5,7 @@
 
 Qwen2.5-VL-3B shapes with random bf16 weights (built in memory from the published config
 values; nothing is downloaded):
-1. the `generate()` peer on W1/W2 with static batches of 64 and 128 (`--peer-requests`),
+1. the `generate()` peer: W1 with static batches of 64 and 128, W2 with 128 (`--peer-requests`),
 2. logits of prefill + 32 teacher-forced decode steps, per attention backend, against
    `transformers` fp32 on the same weights (bound: 2x transformers' own bf16 error, >= 2e-2),
 3. W1 and W2 on the paged engine (`--requests` each; shorten it for a quick run),
@@ -32,7 +32,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="3b", help="3b, 7b, or tiny (a CPU smoke run)")
     parser.add_argument("--requests", type=int, default=1024, help="W1/W2 requests on the paged engine")
-    parser.add_argument("--peer-requests", type=int, default=256, help="W1/W2 requests on the generate() peer")
+    parser.add_argument("--peer-requests", type=int, default=128, help="W1/W2 requests on the generate() peer")
     parser.add_argument("--no-7b", action="store_true", help="skip the 7B decode roofline")
     parser.add_argument("--backends", default="", help="attention backends to check (default: all available)")
     parser.add_argument("--max-num-seqs", type=int, default=512)
