@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Check and time the paged engine on a GPU in one command (no install needed).
 
-    python scripts/gpu_engine_check.py [--requests 1024] [--peer-requests 256] [--no-7b] [--backends triton,torch]
+    python scripts/gpu_engine_check.py [--requests 1024] [--peer-requests 128] [--no-7b] [--backends triton,torch]
 
 Qwen2.5-VL-3B shapes with random bf16 weights (built in memory from the published config
 values; nothing is downloaded):
