@@ -29,23 +29,20 @@ from vlmbatch.models.base import PreparedPrompt
 
 # Published Qwen2.5-VL configs (text and vision sizes only; no download needed);
 # "tiny" keeps the test checkpoint's sizes (CPU smoke runs of this module).
+_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+               temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+_TEXT = dict(max_position_embeddings=128000, rms_norm_eps=1e-6)
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"text": {}, "vision": {}},
     "3b": {
-        "text": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                     intermediate_size=11008, vocab_size=151936, max_position_embeddings=128000, rms_norm_eps=1e-6,
-                     tie_word_embeddings=True),
-        "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        "text": dict(_TEXT, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                     intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
+        "vision": dict(_VISION, out_hidden_size=2048),
     },
     "7b": {
-        "text": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                     intermediate_size=18944, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-        "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        "text": dict(_TEXT, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+        "vision": dict(_VISION, out_hidden_size=3584),
     },
 }
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
