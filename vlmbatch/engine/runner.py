@@ -19,7 +19,7 @@ from vlmbatch.engine.scheduler import ScheduledBatch
 from vlmbatch.engine.sequence import Sequence
 
 _ACTIVATION_RESERVE_BYTES = 2 << 30  # vision tower and sampling workspace beyond the measured prefill peak
-_CPU_KV_CACHE_BYTES = 1 << 30  # default cache on the CPU, where free memory says little
+_CPU_KV_CACHE_BYTES = 256 << 20  # default cache on the CPU, where free memory says little
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
