@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # How often a running shard looks at the job's cancel flag (one Redis GET each time).
 CANCEL_POLL_SECONDS = 0.5
+# How often a finished shard asks whether the broker is back.
+BROKER_WAIT_SECONDS = 1.0
 
 
 def run_shard_task(task: Any, job_dir: str, shard_id: int, retry_errors: bool = False) -> str:
@@ -34,9 +36,16 @@ def run_shard_task(task: Any, job_dir: str, shard_id: int, retry_errors: bool = 
 
     With `retry_errors` the shard's committed part is rewritten with its error rows re-run.
     """
+    worker = runtime.current()
+    try:
+        return _run_delivered(task, job_dir, shard_id, retry_errors, worker)
+    finally:
+        _await_broker(worker)
+
+
+def _run_delivered(task: Any, job_dir: str, shard_id: int, retry_errors: bool, worker: runtime.WorkerRuntime) -> str:
     from celery.exceptions import Reject
 
-    worker = runtime.current()
     manifest = Manifest.load(job_dir)
     store = JobStore(worker.redis, manifest.job_id)
     committed = manifest.part_path(shard_id).exists
@@ -121,6 +130,26 @@ def _run_leased(
         store.set_rows(shard_id, ok, failed)
         store.set_shard_state(shard_id, "done", worker=worker.worker_id, attempt=attempt)
     return f"committed {ok} ok, {failed} failed"
+
+
+def _await_broker(worker: runtime.WorkerRuntime) -> None:
+    """Return only once Redis answers, so that Celery's ack of this message gets through.
+
+    A shard may end while the broker is away (restarting). Celery would then fail the ack,
+    keep the message counted against the prefetch limit of 1, and never take another
+    message after the broker is back (the worker sits idle, silently). Waiting here costs
+    nothing: without a broker this process has nothing else to do.
+    """
+    import redis
+    from celery.worker import state as worker_state
+
+    while worker_state.should_terminate is None:
+        try:
+            worker.redis.ping()
+            return
+        except redis.RedisError as exc:
+            log.warning("waiting for the broker before acknowledging the shard: %s", exc)
+            time.sleep(BROKER_WAIT_SECONDS)
 
 
 def _cancelled(store: JobStore) -> bool:
