@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,9 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str
+    # A module with fused `rms_norm` and `apply_rotary` (the `vlmbatch.kernels` contract)
+    # the decoder should use alongside this backend, or None for plain torch.
+    elementwise_kernels: Any = None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Write this step's keys/values [num_tokens, kv_heads, head_dim] into their slots."""
@@ -110,7 +114,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        self.kernels = importlib.import_module("vlmbatch.kernels")
+        self.kernels = self.elementwise_kernels = importlib.import_module("vlmbatch.kernels")
 
     def store_kv(self, k, v, k_cache, v_cache, meta):
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)

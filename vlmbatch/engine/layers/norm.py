@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -11,9 +13,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernel: Callable | None = None  # fused add+norm with the same rounding (`vlmbatch.kernels.rms_norm`)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the decoder keeps the sum as the next residual."""
+        if self.kernel is not None:
+            return (self.kernel(x, self.weight, self.eps), x) if residual is None else self.kernel(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         dtype = x.dtype

@@ -8,6 +8,8 @@ and gate/up fused into one matmul each.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,13 +27,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.scale = head_dim**-0.5
+        self.rotary: Callable = apply_rotary  # or the fused kernel (`use_kernels`)
 
     def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = self.rotary(q, k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
         if meta.is_prefill:
@@ -99,6 +102,15 @@ class Decoder(nn.Module):
             ours.self_attn.o_proj.weight.copy_(a.o_proj.weight)
             ours.mlp.gate_up_proj.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
             ours.mlp.down_proj.weight.copy_(m.down_proj.weight)
+
+    def use_kernels(self, kernels: Any | None) -> None:
+        """Run norms and rotary through fused kernels (`vlmbatch.kernels`), or plain torch
+        (None): fewer launches per layer matters most in small-batch decode."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernels.rms_norm if kernels is not None else None
+            elif isinstance(module, Attention):
+                module.rotary = kernels.apply_rotary if kernels is not None else apply_rotary
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of a flat batch of tokens."""
