@@ -20,7 +20,7 @@ def run_step(scheduler, next_token=7):
     return batch
 
 
-def test_prefill_then_decode_and_new_requests_join_running_batch():
+def test_prefill_then_decode_and_new_requests_join_running_batch_without_stalling_it():
     sched = make_scheduler()
     a = Sequence("a", [1, 2, 3], SamplingParams())
     sched.add(a)
@@ -29,8 +29,8 @@ def test_prefill_then_decode_and_new_requests_join_running_batch():
     assert not run_step(sched).is_prefill
     b = Sequence("b", [4, 5], SamplingParams())
     sched.add(b)
-    joined = run_step(sched)
-    assert joined.is_prefill and joined.seqs == [b]
+    joined = run_step(sched)  # a keeps decoding in the step that prefills b
+    assert joined.is_prefill and joined.seqs == [a, b] and joined.num_new_tokens == [1, 2]
     decode = run_step(sched)
     assert not decode.is_prefill and decode.seqs == [a, b] and decode.num_new_tokens == [1, 1]
 
@@ -56,6 +56,18 @@ def test_max_num_seqs_limits_running_batch():
         sched.add(Sequence(str(i), [1, 2], SamplingParams()))
     batch = run_step(sched)
     assert [s.request_id for s in batch.seqs] == ["0", "1"] and len(sched.waiting) == 1
+
+
+def test_decoders_count_against_the_prompt_budget():
+    sched = make_scheduler(budget=6)
+    a, b = Sequence("a", [1, 2], SamplingParams()), Sequence("b", [3, 4], SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    late = Sequence("late", list(range(10)), SamplingParams())
+    sched.add(late)
+    batch = run_step(sched)
+    assert batch.num_new_tokens == [1, 1, 4] and sched.num_chunked_prefills == 1
 
 
 def test_preempts_newest_when_blocks_run_out_and_resumes_it():

@@ -1,13 +1,11 @@
 """Continuous batching with chunked prefill and recompute preemption.
 
-Every step is either a prefill step or a decode step, so decode steps have fixed
-shapes that CUDA graphs can replay:
-
-* prefill: sequences with prompt tokens left (first those already running with a
-  partially computed prompt, then waiting ones, oldest first) each get a chunk, until
-  the step's token budget (`max_num_batched_tokens`) is spent: a long prompt is split
-  over several steps (chunked prefill) instead of stalling the batch.
-* decode: every running sequence gets one token.
+Each step, every running sequence that is decoding gets one token, and the rest of the
+step's token budget (`max_num_batched_tokens`) goes to prompt chunks: first sequences
+already running with a partially computed prompt, then waiting ones, oldest first. A long
+prompt is thus split over several steps (chunked prefill) and new requests join without
+stalling the decoding ones. A step with no prompt work is a pure decode step, whose
+fixed shapes the runner replays as a CUDA graph.
 
 When the cache runs out of blocks, the newest running sequence is preempted: its
 blocks are released (they stay in the prefix cache until reused) and it goes back to
@@ -68,21 +66,20 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
-
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        batch = ScheduledBatch([], [], is_prefill=True)
-        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [], is_prefill=False)
+        decoding = [s for s in self.running if self._is_decoding(s)]
+        budget = max(0, self.max_num_batched_tokens - len(decoding))
         for seq in list(self.running):
-            if budget == 0:
-                break
-            if self._is_decoding(seq) or seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            decoding = self._is_decoding(seq)
+            n = 1 if decoding else min(seq.num_uncomputed_tokens, budget)
+            if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n, batch):
-                continue
+            if not decoding:
+                budget -= n
+                batch.is_prefill = True
             self._add(batch, seq, n)
-            budget -= n
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -96,16 +93,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add(batch, seq, n)
+            batch.is_prefill = True
             budget -= n
-        return batch if batch.seqs else None
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        batch = ScheduledBatch([], [], is_prefill=False)
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if self._make_room(seq, len(seq), batch):
-                self._add(batch, seq, 1)
         return batch if batch.seqs else None
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
