@@ -65,21 +65,25 @@ def scripted() -> OneTokenPerStepEngine:
     return OneTokenPerStepEngine()
 
 
+@pytest.fixture
+def engine(scripted: OneTokenPerStepEngine):
+    """The AsyncEngine under test, running over `scripted` (a wide burst window, so
+    requests started by one `gather` reliably share their first step)."""
+    running = AsyncEngine(scripted, batch_window_s=0.05)
+    running.start()
+    yield running
+    running.stop()
+
+
 async def _collect(engine: AsyncEngine, request_id: str, tokens: list[int], max_tokens: int) -> list[RequestOutput]:
     return [out async for out in engine.generate(request_id, PreparedPrompt(tokens), SamplingParams(max_tokens=max_tokens))]
 
 
-def test_requests_arriving_together_share_steps_and_stream_progress(scripted: OneTokenPerStepEngine) -> None:
-    engine = AsyncEngine(scripted, batch_window_s=0.05)
-    engine.start()
-
+def test_requests_arriving_together_share_steps_and_stream_progress(scripted: OneTokenPerStepEngine, engine: AsyncEngine) -> None:
     async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
         return await asyncio.gather(_collect(engine, "a", [1, 2], 3), _collect(engine, "b", [3], 3))
 
-    try:
-        a, b = asyncio.run(main())
-    finally:
-        engine.stop()
+    a, b = asyncio.run(main())
     assert [o.outputs[0].text for o in a] == ["x", "xx", "xxx"]
     assert [o.finished for o in a] == [False, False, True]
     assert b[-1].outputs[0].text == "xxx" and b[-1].prompt_token_ids == [3]
@@ -87,10 +91,8 @@ def test_requests_arriving_together_share_steps_and_stream_progress(scripted: On
     assert engine.num_in_flight == 0
 
 
-def test_a_consumer_that_goes_away_aborts_its_request(scripted: OneTokenPerStepEngine) -> None:
+def test_a_consumer_that_goes_away_aborts_its_request(scripted: OneTokenPerStepEngine, engine: AsyncEngine) -> None:
     scripted.step_delay_s = 0.01
-    engine = AsyncEngine(scripted)
-    engine.start()
 
     async def main() -> None:
         async def read_two_then_cancel() -> None:
@@ -110,20 +112,14 @@ def test_a_consumer_that_goes_away_aborts_its_request(scripted: OneTokenPerStepE
                 break
             await asyncio.sleep(0.01)
 
-    try:
-        asyncio.run(main())
-    finally:
-        engine.stop()
+    asyncio.run(main())
     assert scripted.aborted == ["gone"]
     assert not scripted.has_unfinished_requests()
     assert engine.num_in_flight == 0
     assert len(scripted.batches) < 1000
 
 
-def test_engine_failures_reach_their_requests_and_the_loop_keeps_serving(scripted: OneTokenPerStepEngine) -> None:
-    engine = AsyncEngine(scripted)
-    engine.start()
-
+def test_engine_failures_reach_their_requests_and_the_loop_keeps_serving(engine: AsyncEngine) -> None:
     async def main() -> None:
         with pytest.raises(RowError) as refused:
             await _collect(engine, "refused", [777], 2)
@@ -134,17 +130,12 @@ def test_engine_failures_reach_their_requests_and_the_loop_keeps_serving(scripte
         after = await _collect(engine, "after", [1], 2)
         assert after[-1].outputs[0].text == "xx"
 
-    try:
-        asyncio.run(main())
-    finally:
-        engine.stop()
+    asyncio.run(main())
     assert engine.num_in_flight == 0
 
 
-def test_stop_fails_requests_still_running(scripted: OneTokenPerStepEngine) -> None:
+def test_stop_fails_requests_still_running(scripted: OneTokenPerStepEngine, engine: AsyncEngine) -> None:
     scripted.step_delay_s = 0.01
-    engine = AsyncEngine(scripted)
-    engine.start()
 
     async def main() -> None:
         task = asyncio.create_task(_collect(engine, "long", [1], 10_000))

@@ -66,14 +66,14 @@ class AsyncEngine:
         self._engine = engine
         self._batch_window_s = batch_window_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Add] = {}  # owned by the engine thread
-        self._in_flight = 0  # read by /health; written only by the engine thread
+        self._streams: dict[str, _Add] = {}  # written only by the engine thread
         self._thread: threading.Thread | None = None
 
     @property
     def num_in_flight(self) -> int:
-        """Requests the engine thread holds (added and neither finished nor aborted)."""
-        return self._in_flight
+        """Requests the engine thread holds (added and neither finished nor aborted); a request
+        leaves before its last output is delivered, so a caller that saw it end sees it gone."""
+        return len(self._streams)
 
     def start(self) -> None:
         if self._thread is None:
@@ -154,7 +154,6 @@ class AsyncEngine:
                 self._engine.abort_request(command.request_id)
             except Exception:  # noqa: BLE001 - the request is dropped from our side regardless
                 logger.exception("engine failed to abort request %s", command.request_id)
-        self._in_flight = len(self._streams)
         return True
 
     def _step(self) -> None:
@@ -171,17 +170,15 @@ class AsyncEngine:
             if output.finished:
                 del self._streams[output.request_id]
             self._deliver(stream, _snapshot(output))
-        self._in_flight = len(self._streams)
 
     def _fail_all(self, error: RowError) -> None:
-        for request_id, stream in list(self._streams.items()):
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
             try:
                 self._engine.abort_request(request_id)
             except Exception:  # noqa: BLE001 - already gone inside a broken engine
                 logger.debug("abort of %s after an engine failure also failed", request_id)
             self._deliver(stream, error)
-        self._streams.clear()
-        self._in_flight = 0
 
     @staticmethod
     def _deliver(stream: _Add, item: RequestOutput | BaseException) -> None:
