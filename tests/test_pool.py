@@ -9,7 +9,11 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -124,11 +128,11 @@ def _pool_results(rows: list[Task]) -> Iterator[tuple[int, Any, int]]:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped by init does not count)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def test_dropping_the_iterator_stops_the_workers() -> None:
@@ -137,6 +141,27 @@ def test_dropping_the_iterator_stops_the_workers() -> None:
     assert all(_alive(pid) for pid in pids)
     del results
     gc.collect()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_workers_exit_when_the_owner_is_killed() -> None:
+    owner = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_pool import _echo_setup, _failure
+        from vlmbatch.job.pool import ProcessPool
+
+        pool = ProcessPool(_echo_setup, 1000, _failure, num_workers=2).__enter__()
+        next(pool.imap_unordered([(1, None)]))
+        print(*(worker.process.pid for worker in pool.workers), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    run = subprocess.run([sys.executable, "-c", owner], capture_output=True, text=True, timeout=120)
+    pids = [int(pid) for pid in run.stdout.split()]
+    assert run.returncode == -9 and len(pids) == 2, run.stderr
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
 
 

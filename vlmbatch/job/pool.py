@@ -28,6 +28,7 @@ import io
 import multiprocessing
 import os
 import pickle
+import queue
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 # One row being prepared plus one waiting, so a worker never idles between rows while a
 # slow row (a long video) holds back at most one other row.
 _TASKS_PER_WORKER = 2
+# How often an idle worker checks that the process that owns its pool still exists.
+_ORPHAN_CHECK_SECONDS = 1.0
 # Modules the fork server imports once, so each (re)started worker skips their import time:
 # without them a worker's first `load_adapter` spends ~13 s importing torchvision (via the
 # image processors) on this machine, with them 0.2 s.
@@ -111,7 +114,22 @@ def start_fork_server() -> None:
     forkserver.ensure_running()
 
 
-def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection) -> None:
+def _next_task(tasks: Any, owner_alive: Connection) -> Task | None:
+    """The next task, or None at the sentinel or once the pool's owner is gone.
+
+    A killed owner (`kill -9` of a job worker) cannot stop its pool, and nothing else
+    would: the fork server hands every worker a handle that keeps the server alive, so
+    neither a re-parenting nor the server's exit ever happens. The owner holds the only
+    write end of `owner_alive` and never writes: readable means it has died."""
+    while True:
+        try:
+            return tasks.get(timeout=_ORPHAN_CHECK_SECONDS)
+        except queue.Empty:
+            if owner_alive.poll():
+                return None
+
+
+def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection, owner_alive: Connection) -> None:
     """Build the handler once, then answer tasks until the `None` sentinel."""
     import torch
 
@@ -122,7 +140,7 @@ def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection) 
         results.send_bytes(_dumps(("setup_error", traceback.format_exc())))
         return
     results.send_bytes(_dumps(("ready", None)))
-    while (task := tasks.get()) is not None:
+    while (task := _next_task(tasks, owner_alive)) is not None:
         try:
             message = ("result", handle(task))
         except Exception as exc:  # noqa: BLE001 - a bug on one row must not take the others down
@@ -167,6 +185,7 @@ class ProcessPool:
             start_fork_server()
         self.workers: list[_Worker] = []
         self.restarts = 0
+        self._owner_alive_reader, self._owner_alive_writer = self.context.Pipe(duplex=False)
 
     def __enter__(self) -> ProcessPool:
         self.workers = [self._start_worker() for _ in range(self.num_workers)]
@@ -181,7 +200,10 @@ class ProcessPool:
         # which could deadlock against a worker blocked on sending us a large result.
         tasks = self.context.Queue()
         process = self.context.Process(
-            target=_worker_main, args=(self.setup, self.setup_arg, tasks, send), daemon=True, name="vlmbatch-prep"
+            target=_worker_main,
+            args=(self.setup, self.setup_arg, tasks, send, self._owner_alive_reader),
+            daemon=True,
+            name="vlmbatch-prep",
         )
         process.start()
         send.close()  # our copy: the pipe must report EOF once the worker is gone
@@ -201,6 +223,8 @@ class ProcessPool:
                 worker.process.join()
             self._release(worker)
         self.workers = []
+        self._owner_alive_reader.close()
+        self._owner_alive_writer.close()
 
     @staticmethod
     def _release(worker: _Worker) -> None:
