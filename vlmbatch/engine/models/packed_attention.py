@@ -38,13 +38,38 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     return out.unsqueeze(0), None
 
 
+@torch.no_grad()
 def use_packed_attention(vision_tower: nn.Module) -> bool:
-    """Switch a Qwen-VL vision tower to `packed_sdpa`; False (tower unchanged) when this
-    transformers version has no pluggable attention interface."""
+    """Switch a Qwen-VL vision tower to `packed_sdpa` if, on a small probe image, it gives
+    the features the tower's own attention gives; otherwise (another transformers version
+    taking other paths) leave the tower as it was. Returns whether it switched."""
     try:
         from transformers import AttentionInterface
     except ImportError:
         return False
-    AttentionInterface.register(NAME, packed_sdpa)
-    vision_tower.config._attn_implementation = NAME
-    return vision_tower.config._attn_implementation == NAME
+    config = vision_tower.config
+    before = config._attn_implementation
+    parameter = next(vision_tower.parameters())
+    patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    grid = torch.tensor([[1, 16, 12]], device=parameter.device)  # windows of two lengths
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(int(grid.prod()), patch, generator=generator).to(parameter.device, parameter.dtype)
+    try:
+        expected = vision_tower(probe, grid_thw=grid)
+        AttentionInterface.register(NAME, packed_sdpa)
+        config._attn_implementation = NAME
+        packed = vision_tower(probe, grid_thw=grid)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError):
+        config._attn_implementation = before
+        return False
+    same = all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(_tensors(expected), _tensors(packed)))
+    if not same:
+        config._attn_implementation = before
+    return same
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors of a vision tower's output (a tensor or a ModelOutput, by version)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    return [v for v in output.values() if isinstance(v, torch.Tensor)]
