@@ -27,7 +27,7 @@ def test_bench_video_command_writes_figures(tmp_path: Path):
     rows = figures["results"]
     assert {r["backend"] for r in rows} == {"ffmpeg-cli", "opencv", "pyav", "torchcodec"}
     assert {r["clip"] for r in rows} == {"default_gop", "keyframe_1s"}
-    assert all(r["frame_indices_match"] and r["frames_per_s"] > 0 for r in rows)
+    assert all(r["frame_indices_match"] and r["frames_per_s"] > 0 and r["cpu_seconds"] > 0 for r in rows)
     for clip in ("default_gop", "keyframe_1s"):
         backends = [r for r in rows if r["clip"] == clip and r["backend"] != "ffmpeg-cli"]
         assert min(r["slowdown_vs_best"] for r in backends) == pytest.approx(1.0)

@@ -37,11 +37,12 @@ class VideoBackend(ABC):
 def walk_frames(
     wanted: Sequence[int],
     index: StreamIndex,
-    seek: Callable[[int], Iterable[tuple[int, Callable[[], Any]]]],
+    seek: Callable[[int, int], Iterable[tuple[int, Callable[[], Any]]]],
 ) -> dict[int, Any]:
     """Collect `wanted` frames by decoding forward and seeking only past whole GOPs.
 
-    `seek(keyframe)` starts (or restarts) decoding at that keyframe and yields
+    `seek(keyframe, target)` starts (or restarts) decoding at or after that
+    keyframe but not past `target`, and yields
     `(frame index, fetch)` in presentation order; `fetch()` converts the frame
     to RGB (None if it cannot), so only wanted frames pay for conversion. A
     target that decoding skipped or could not convert (damaged data) takes the
@@ -57,7 +58,7 @@ def walk_frames(
             continue
         keyframe = index.keyframe_before(target)
         if iterator is None or keyframe > position + 1:
-            iterator = iter(seek(keyframe))
+            iterator = iter(seek(keyframe, target))
         current = None
         for position, fetch in iterator:
             if position >= target and (current := fetch()) is not None:  # None: undecodable, try the next

@@ -63,9 +63,9 @@ class OpenCVBackend(VideoBackend):
                 ok, bgr = capture.retrieve()  # fails on a packet the decoder rejected
                 return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB) if ok else None
 
-            def frames_from(keyframe: int) -> Iterator[tuple[int, Any]]:
+            def frames_from(keyframe: int, target: int) -> Iterator[tuple[int, Any]]:
                 if keyframe > 0:
-                    landed = _seek_at_or_before(capture, keyframe, index, fps, position)
+                    landed = _seek_at_or_before(capture, target, index, fps, position)
                     if landed is None:
                         return
                     yield landed, fetch
@@ -90,20 +90,22 @@ def grab_loop(capture: Any) -> Iterator[None]:
             failures += 1
 
 
-def _seek_at_or_before(capture: Any, keyframe: int, index: StreamIndex, fps: float, position: Callable[[], int]) -> int | None:
-    """Seek so that the grabbed frame is at or before `keyframe`; its index, None at EOF.
+def _seek_at_or_before(capture: Any, target: int, index: StreamIndex, fps: float, position: Callable[[], int]) -> int | None:
+    """Seek so that the grabbed frame is at or before frame `target`; its index, None at EOF.
 
-    OpenCV's frame number is `pts * fps`, wrong on VFR files, so the landing is
-    read back and the seek retried about a second earlier until it is not past.
+    OpenCV seeks to the keyframe before `frame number - 16` and decodes forward to
+    the frame number, so asking for the target itself decodes least. Its frame
+    number is `pts * fps`, wrong on VFR files, so the landing is read back and the
+    seek retried about a second earlier while it is past the target.
     """
     import cv2
 
-    frame_number = int(index.timestamps[keyframe] * fps)
+    frame_number = round(index.timestamps[target] * fps)
     while True:
         capture.set(cv2.CAP_PROP_POS_FRAMES, frame_number)
         if not capture.grab():
             return None
         landed = position()
-        if landed <= keyframe or frame_number == 0:
+        if landed <= target or frame_number == 0:
             return landed
         frame_number = max(0, frame_number - max(1, int(fps)))

@@ -34,10 +34,10 @@ class PyAVBackend(VideoBackend):
             start = stream.start_time or 0
             time_base = stream.time_base
 
-            def frames_from(keyframe: int) -> Iterator[tuple[int, Any]]:
+            def frames_from(keyframe: int, target: int) -> Iterator[tuple[int, Any]]:
                 if keyframe > 0:
-                    target = start + int(round(index.timestamps[keyframe] / time_base))
-                    container.seek(target, stream=stream, backward=True)
+                    pts = start + int(round(index.timestamps[keyframe] / time_base))
+                    container.seek(pts, stream=stream, backward=True)
                 for frame in _decoded(container, stream):
                     if frame.pts is None:
                         continue

@@ -22,13 +22,13 @@ def resize_frames(frames: Any, max_pixels: int | None, max_side: int | None) -> 
     One torch code path (antialiased bilinear in float32) serves CPU and GPU
     frames, so all backends shrink identically.
     """
-    import numpy as np
-    import torch
-
     height, width = frames.shape[1], frames.shape[2]
     size = target_size(height, width, max_pixels, max_side)
     if size == (height, width):
         return frames
+    import numpy as np
+    import torch  # only now: importing torch costs seconds the CPU backends need not pay
+
     tensor = torch.from_numpy(frames) if isinstance(frames, np.ndarray) else frames
     scaled = torch.nn.functional.interpolate(
         tensor.permute(0, 3, 1, 2).float(), size=size, mode="bilinear", antialias=True, align_corners=False
