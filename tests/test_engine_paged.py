@@ -187,3 +187,16 @@ def test_n_completions_come_back_together_and_follow_their_seeds(qwen_engine):
     # completion k is the single request seeded seed + k
     second = generate(engine, adapter, {"one": (prompt, params.updated(n=1, seed=4))})["one"]
     assert second.outputs[0].token_ids == output.outputs[1].token_ids
+
+
+def test_request_longer_than_the_cache_is_a_row_error(tiny_qwen):
+    from vlmbatch.errors import ErrorType, RowError
+
+    path = str(tiny_qwen)
+    adapter = load_adapter(path)
+    engine = PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=4, block_size=4)
+    prompt = adapter.prepare(qwen_prompt("the cat", 0, False))
+    with pytest.raises(RowError) as raised:
+        engine.add_request("long", prompt, SamplingParams(max_tokens=16 - prompt.num_tokens + 1))
+    assert raised.value.error_type == ErrorType.PROMPT_TOO_LONG
+    assert not engine.has_unfinished_requests()

@@ -16,8 +16,11 @@ write into a spare block instead, so every backend can store with one scatter.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -155,9 +158,23 @@ class FlashAttnBackend(AttentionBackend):
 BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (TorchBackend, TritonBackend, FlashAttnBackend)}
 
 
+def _measurements_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlmbatch" / "attention_backends.json"
+
+
+def record_fastest_backend(device: torch.device, name: str) -> None:
+    """Remember the backend `vlmbatch bench engine` measured fastest on this GPU model."""
+    path = _measurements_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recorded = json.loads(path.read_text()) if path.exists() else {}
+    recorded[torch.cuda.get_device_name(device)] = name
+    path.write_text(json.dumps(recorded, indent=2))
+
+
 def available_backends(device: torch.device) -> list[str]:
-    """Backends that can run on `device`, fastest first per the H200 measurements
-    (docs/engine.md): our Triton kernels, then flash-attn, then plain PyTorch."""
+    """Backends that can run on `device`, fastest first: the one the engine benchmark
+    measured fastest on this GPU model if it recorded one, then our Triton kernels,
+    flash-attn and plain PyTorch."""
     if device.type != "cuda":
         return ["torch"]
     names = []
@@ -165,7 +182,10 @@ def available_backends(device: torch.device) -> list[str]:
         names.append("triton")
     if importlib.util.find_spec("flash_attn") is not None:
         names.append("flash-attn")
-    return [*names, "torch"]
+    names.append("torch")
+    path = _measurements_file()
+    fastest = json.loads(path.read_text()).get(torch.cuda.get_device_name(device)) if path.exists() else None
+    return sorted(names, key=lambda n: n != fastest)
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -231,7 +231,7 @@ def logit_reference(hf_model, adapter, prompts: list[PreparedPrompt], decode_ste
 def check_backends(engine, reference: LogitReference, backends: list[str], adapter, ceilings: dict[str, float]) -> dict[str, Any]:
     """Our teacher-forced logits with each attention backend against the reference, and
     each backend's decode step at batch 64 (what `auto` should follow on this device)."""
-    from vlmbatch.engine.attention import create_backend
+    from vlmbatch.engine.attention import create_backend, record_fastest_backend
 
     report: dict[str, Any] = {"positions_per_prompt": len(reference.continuations[0]) + 1, "prompts": len(reference.prompts),
                               "bound_max_rel_err": reference.bound, "transformers_low_precision": reference.transformers_low_precision,
@@ -243,6 +243,8 @@ def check_backends(engine, reference: LogitReference, backends: list[str], adapt
         speed = decode_roofline(engine, adapter, min(64, engine.scheduler.max_num_seqs), ceilings, steps=16)
         report["backends"][name] = dict(errors, ok=errors["max_rel_err"] <= reference.bound, decode_step_ms_b64=speed["decode_step_ms"])
     report["fastest_backend"] = min(report["backends"], key=lambda b: report["backends"][b]["decode_step_ms_b64"])
+    if engine.device.type == "cuda" and len(backends) > 1 and report["backends"][report["fastest_backend"]]["ok"]:
+        record_fastest_backend(engine.device, report["fastest_backend"])  # what `auto` picks from now on
     engine.runner.use_backend(create_backend("auto", engine.device))
     return report
 
