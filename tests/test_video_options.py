@@ -104,3 +104,19 @@ def test_missing_decoder_library_is_reported_at_start_up():
     ensure_backend_available("pyav")
     with pytest.raises(ValueError, match="nvidia-deepstream-videodecode"):
         ensure_backend_available("deepstream")
+
+
+def test_hw_decoders_cannot_change_per_request():
+    job = parse_video_options({"backend": "pynvvideocodec", "hw_decoders": 4}, VideoOptions())
+    assert override_video_options(job, {"hw_decoders": 4, "num_frames": 8}).num_frames == 8
+    with pytest.raises(RowError) as caught:
+        override_video_options(job, {"hw_decoders": 2})
+    assert caught.value.error_type == ErrorType.INVALID_ROW and "'hw_decoders'" in caught.value.message
+
+
+def test_prepare_video_backend_at_start_up():
+    from vlmbatch.media.video import prepare_video_backend
+
+    prepare_video_backend(parse_video_options({"backend": "pyav"}, VideoOptions()))
+    with pytest.raises(ValueError, match="deepstream"):
+        prepare_video_backend(parse_video_options({"backend": "deepstream", "pool_size": 4}, VideoOptions()))

@@ -31,6 +31,7 @@ __all__ = [
     "load_video",
     "override_video_options",
     "parse_video_options",
+    "prepare_video_backend",
 ]
 
 class _BackendSpec(NamedTuple):
@@ -64,6 +65,14 @@ def ensure_backend_available(name: str) -> None:
         found = False
     if not found:
         raise ValueError(f"video backend {name!r} needs {spec.install_hint}, which is not installed")
+
+
+def prepare_video_backend(options: VideoOptions) -> None:
+    """Call at worker / server start-up with the flag options: a missing decoder
+    library stops the command, and GPU decoder sessions are reserved with the
+    start-up values (a request asking for another `hw_decoders` is then refused)."""
+    ensure_backend_available(options.backend)
+    get_backend(options.backend).reserve(options)
 
 
 def get_backend(name: str) -> VideoBackend:

@@ -23,6 +23,10 @@ class VideoBackend(ABC):
     def probe(self, source: VideoSource) -> StreamIndex:
         return probe_stream(source)
 
+    def reserve(self, options: VideoOptions) -> Any:
+        """Claim (once) and return per-process resources: GPU decoder sessions, pools; CPU backends need none."""
+        return None
+
     @abstractmethod
     def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         """Frames for each of `wanted` (sorted, distinct indices into `index`), keyed by index."""

@@ -38,8 +38,11 @@ DECODE_POOL: ProcessResource[Any] = ProcessResource("pool_size", strict=False)
 class DeepStreamBackend(DeviceFramesBackend):
     name = "deepstream"
 
+    def reserve(self, options: VideoOptions) -> Any:
+        return DECODE_POOL.get(options.pool_size, _build_pool)
+
     def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
-        pool = DECODE_POOL.get(options.pool_size, _build_pool)
+        pool = self.reserve(options)
         data = source.data if source.data is not None else Path(source.path).read_bytes()
         result = pool.decode(data, target_indices=list(wanted), max_frames=len(wanted), timeout_sec=DECODE_TIMEOUT_S)
         if result.error:

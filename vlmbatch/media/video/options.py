@@ -104,11 +104,21 @@ def parse_video_options(video_kwargs: Mapping[str, Any] | None, base: VideoOptio
 
 
 def override_video_options(base: VideoOptions, video_kwargs: Mapping[str, Any] | None, param: str = "media_io_kwargs") -> VideoOptions:
-    """A row's or request's override: the same rules, reported as that row's error."""
+    """A row's or request's override: the same rules, reported as that row's error.
+
+    `hw_decoders` is reserved at start-up, so an override may only repeat it.
+    """
     try:
-        return parse_video_options(video_kwargs, base)
+        options = parse_video_options(video_kwargs, base)
     except ValueError as exc:
         raise RowError(ErrorType.INVALID_ROW, str(exc), param) from exc
+    if options.hw_decoders != base.hw_decoders:
+        raise RowError(
+            ErrorType.INVALID_ROW,
+            f"video option 'hw_decoders' is fixed at start-up ({base.hw_decoders}); a request cannot change it",
+            param,
+        )
+    return options
 
 
 def _checked(name: str, value: Any) -> Any:

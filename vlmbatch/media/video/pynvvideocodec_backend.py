@@ -95,10 +95,13 @@ def _colour_from_nvdemuxer(source: VideoSource) -> tuple[str, bool]:
 class PyNvVideoCodecBackend(DeviceFramesBackend):
     name = "pynvvideocodec"
 
+    def reserve(self, options: VideoOptions) -> DecoderSlots:
+        return _SLOTS.get(options.hw_decoders, DecoderSlots)
+
     def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         import torch
 
-        slots = _SLOTS.get(options.hw_decoders, DecoderSlots)
+        slots = self.reserve(options)
         matrix, full_range = stream_colour(source)
         rotation = display_rotation(source)
         with slots.decoder_for(source, torch.cuda.current_device()) as decoder:
