@@ -196,7 +196,8 @@ def test_request_longer_than_the_cache_is_a_row_error(tiny_qwen):
     adapter = load_adapter(path)
     engine = PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=4, block_size=4)
     prompt = adapter.prepare(qwen_prompt("the cat", 0, False))
+    assert prompt.num_tokens + 1 > 4 * 4  # more than the 4 blocks of 4 slots hold
     with pytest.raises(RowError) as raised:
-        engine.add_request("long", prompt, SamplingParams(max_tokens=16 - prompt.num_tokens + 1))
+        engine.add_request("long", prompt, SamplingParams(max_tokens=1))
     assert raised.value.error_type == ErrorType.PROMPT_TOO_LONG
     assert not engine.has_unfinished_requests()
