@@ -96,7 +96,7 @@ class _TensorPickler(pickle.Pickler):
 def _tensor_from_bytes(raw: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     import torch
 
-    return torch.from_numpy(raw.copy()).view(dtype).reshape(shape)  # copy: the received bytes are read-only
+    return torch.from_numpy(raw).view(dtype).reshape(shape)  # `raw` owns a writable copy of the received bytes
 
 
 def _dumps(message: Any) -> memoryview:
@@ -291,7 +291,7 @@ class ProcessPool:
         while worker.results.poll():
             try:
                 kind, value = pickle.loads(worker.results.recv_bytes())
-            except EOFError:
+            except (EOFError, OSError):  # gone, possibly in the middle of sending a result
                 break
             if kind == "setup_error":
                 raise PoolStartError(f"a preprocessing worker failed to start:\n{value}")
