@@ -47,8 +47,28 @@ def _body_factory(max_tokens: int, image_side: int, stream: bool):
     return make_body
 
 
+def _random_checkpoint(shape: str, workdir: Path) -> Path:
+    """A Qwen2.5-VL checkpoint of real sizes with random weights (tiny tokenizer and
+    processor), written once under `workdir` and reused by later runs."""
+    import torch
+
+    from vlmbatch.engine.bench import random_model
+
+    path = workdir / f"qwen2_5_vl-{shape}"
+    done = path / ".complete"
+    if not done.exists():
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _, model = random_model(shape, workdir, torch.bfloat16, device)
+        model.save_pretrained(path)
+        done.touch()
+    return path
+
+
 def bench_serve(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Start `vlmbatch serve` with this model for the run."),
+    shape: Optional[str] = typer.Option(
+        None, "--shape", help="Instead of --model: Qwen2.5-VL sizes with random weights (3b, 7b, tiny), written under bench-out/."
+    ),
     url: Optional[str] = typer.Option(None, "--url", help="Measure an already running server instead (e.g. http://127.0.0.1:2242)."),
     engine: str = EngineOption,
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VLMBATCH_API_KEY", help="Bearer key of the server."),
@@ -63,8 +83,10 @@ def bench_serve(
     from vlmbatch.server.launcher import ServerProcess
     from vlmbatch.server.loadgen import run_load
 
-    if (model is None) == (url is None):
-        raise typer.BadParameter("give exactly one of --model (start a server) and --url (use a running one)")
+    if sum(x is not None for x in (model, shape, url)) != 1:
+        raise typer.BadParameter("give exactly one of --model or --shape (start a server) and --url (use a running one)")
+    if shape is not None:
+        model = str(_random_checkpoint(shape, output.parent))
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
     make_body = _body_factory(max_tokens, image_side, stream)
     server = None
@@ -95,6 +117,7 @@ def bench_serve(
     report = {
         "benchmark": "serve",
         "model": model,
+        "shape": shape,
         "url": url if server is None else None,
         "engine": engine if server is not None else None,
         "max_tokens": max_tokens,

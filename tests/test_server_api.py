@@ -133,6 +133,15 @@ def test_n_choices_and_seeded_sampling_are_reproducible(client: openai.OpenAI, t
     if all(c.finish_reason == "length" for c in first.choices):
         assert first.usage.completion_tokens == 2 * 8  # counted over both choices
     assert 2 <= first.usage.completion_tokens <= 16
+    streamed: dict[int, str] = {0: "", 1: ""}
+    finishes: list[int] = []
+    for chunk in client.chat.completions.create(n=2, stream=True, **ask):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finishes.append(choice.index)
+    assert [streamed[0], streamed[1]] == [c.message.content for c in first.choices]
+    assert sorted(finishes) == [0, 1]
 
 
 def test_stop_string_cuts_the_text_in_both_modes(client: openai.OpenAI, tiny_qwen: Path) -> None:

@@ -146,3 +146,20 @@ def test_stop_fails_requests_still_running(scripted: OneTokenPerStepEngine, engi
             await task
 
     asyncio.run(main())
+
+
+def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(engine: AsyncEngine) -> None:
+    from vlmbatch.server.completions import ChatCompletions, PreparedRequest
+    from vlmbatch.server.settings import ServerSettings
+
+    completions = ChatCompletions(adapter=None, engine=engine, media=None, settings=ServerSettings(model="m"))  # type: ignore[arg-type]
+    request = PreparedRequest("chatcmpl-1", PreparedPrompt([666]), SamplingParams(max_tokens=4))
+
+    async def main() -> list[str]:
+        return [event async for event in completions.stream(request, include_usage=True, created=0)]
+
+    events = asyncio.run(main())
+    completions.close()
+    assert '"role":"assistant"' in events[0]
+    assert '"code":"engine_error"' in events[1] and "kernel exploded" in events[1]
+    assert events[2:] == ["data: [DONE]\n\n"]
