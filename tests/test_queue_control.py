@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 import queue_harness as qh
 from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
 
-from vlmbatch.job.queue import cancel_job, committed_shards
+from vlmbatch.job.queue import cancel_job, committed_shards, job_status
 from vlmbatch.workers.local import VLMBATCH
 from vlmbatch.workers.runtime import pid_of
 from vlmbatch.workers.store import JobStore, connect
@@ -58,3 +59,23 @@ def test_two_models_on_one_broker_go_to_their_own_workers(
         ran_on = {pid_of(s["worker"]) for s in JobStore(connect(redis_server.url), manifest.job_id).shard_states().values()}
         assert ran_on == {worker.child().pid}
         assert set(pq.read_table(job_dir / "results", columns=["model"]).column("model").to_pylist()) == {manifest.model}
+
+
+def test_resume_retry_errors_reruns_only_the_failed_rows(
+    tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
+) -> None:
+    late = tmp_path / "late.png"  # missing at first: its rows fail with media_not_found
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 40, images_at={3: late, 25: late})
+    start_worker(tiny_qwen, redis_server.url)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=20)
+    assert qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=120).rows_failed == 2
+    before = {r["row_id"]: r for r in pq.read_table(job_dir / "results").to_pylist()}
+
+    Image.new("RGB", (32, 32), "white").save(late)
+    assert cli("resume", str(job_dir), "--retry-errors").returncode == 0
+    qh.wait_for(lambda: job_status(job_dir, redis_server.url).rows_failed == 0, 120, "the failed rows to succeed")
+    qh.assert_job_completed(job_dir, redis_server.url)
+    after = {r["row_id"]: r for r in pq.read_table(job_dir / "results").to_pylist()}
+    assert after[3]["error_type"] is None and after[25]["error_type"] is None
+    assert after[3]["attempt"] == 2 and after[0]["attempt"] == 1  # only the failed rows ran again
+    assert after[0]["generated_text"] == before[0]["generated_text"]

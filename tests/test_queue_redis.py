@@ -40,6 +40,7 @@ def test_resume_rebuilds_a_job_after_redis_lost_everything(
     worker.stop()
     redis_server.client().flushall()  # queue, counters, leases: all gone
     done_before = committed_shards(manifest)
+    assert job_status(job_dir, redis_server.url).state == "lost"  # `wait` says so instead of hanging
 
     subprocess.run([VLMBATCH, "resume", str(job_dir)], check=True)
     status = job_status(job_dir, redis_server.url)

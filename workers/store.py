@@ -77,8 +77,8 @@ class JobStore:
             mapping={"job_dir": job_dir, "model": model, "queue": queue, "num_shards": num_shards, "num_rows": num_rows},
         )
 
-    def meta(self) -> dict[str, str]:
-        return {k.decode(): v.decode() for k, v in self.client.hgetall(self.key("meta")).items()}
+    def is_registered(self) -> bool:
+        return bool(self.client.exists(self.key("meta")))
 
     def cancel(self) -> None:
         self.client.set(self.key("cancel"), "1")

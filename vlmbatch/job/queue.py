@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     from vlmbatch.workers.store import JobStore
 
 # Job states that `wait` stops at, with its exit code for each.
-EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 3}
+EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 3, "lost": 4}
 
 
 @dataclass
 class JobStatus:
     job_id: str
-    state: str  # queued | running | completed | cancelling | cancelled | failed
+    state: str  # queued | running | completed | cancelling | cancelled | failed | lost
     num_rows: int
     rows_ok: int
     rows_failed: int
@@ -94,28 +94,31 @@ def job_status(job_dir: Path, broker_url: str) -> JobStatus:
     manifest = Manifest.load(job_dir)
     store = _store(manifest, broker_url)
     committed = committed_shards(manifest)
-    uncommitted = [s.shard_id for s in manifest.shards if s.shard_id not in committed]
     recorded = store.shard_states()
-    holders = store.lease_holders(uncommitted)
+    holders = store.lease_holders([s.shard_id for s in manifest.shards])
     ok_by_shard, failed_by_shard = store.rows_by_shard()
-    for shard_id in committed:
-        if recorded.get(shard_id, {}).get("state") != "done":  # Redis missed the commit: count the part
-            ok_by_shard[shard_id], failed_by_shard[shard_id] = part_counts(manifest.part_path(shard_id))
-
-    shards: Counter[str] = Counter(done=len(committed))
+    shards: Counter[str] = Counter()
     errors = []
-    for shard_id in uncommitted:
+    for plan in manifest.shards:
+        shard_id = plan.shard_id
         record = recorded.get(shard_id, {})
-        state = "running" if shard_id in holders else record.get("state", "queued")
-        if state == "running" and shard_id not in holders:
-            state = "queued"  # its worker died; the message is on its way back
+        if shard_id in committed:
+            state = _committed_state(record.get("state"), shard_id in holders)
+            if record.get("state") not in ("done", "retrying", "running"):  # Redis missed the commit
+                ok_by_shard[shard_id], failed_by_shard[shard_id] = part_counts(manifest.part_path(shard_id))
+        elif shard_id in holders:
+            state = "running"
+        else:
+            state = record.get("state", "queued")
+            if state == "running":
+                state = "queued"  # its worker died; the message is on its way back
         shards[state] += 1
         if state == "failed":
             errors.append(f"shard {shard_id}: {record.get('error', 'unknown error')}")
 
     status = JobStatus(
         job_id=manifest.job_id,
-        state=_job_state(manifest.num_shards, shards, store.is_cancelled()),
+        state=_job_state(manifest.num_shards, shards, store.is_cancelled(), store.is_registered()),
         num_rows=manifest.num_rows,
         rows_ok=sum(ok_by_shard.values()),
         rows_failed=sum(failed_by_shard.values()),
@@ -131,14 +134,23 @@ def job_status(job_dir: Path, broker_url: str) -> JobStatus:
     return status
 
 
-def _job_state(num_shards: int, shards: Counter[str], cancelled: bool) -> str:
+def _committed_state(recorded: str | None, leased: bool) -> str:
+    """A committed shard is `retrying` while `resume --retry-errors` re-runs its error rows."""
+    if recorded == "retrying" or (recorded == "running" and leased):
+        return "retrying"
+    return "done"
+
+
+def _job_state(num_shards: int, shards: Counter[str], cancelled: bool, registered: bool) -> str:
     if shards["done"] == num_shards:
         return "completed"
+    if not registered:
+        return "lost"  # Redis lost the job (flushed, replaced): only `resume` brings it back
     if cancelled:
-        return "cancelling" if shards["running"] else "cancelled"
-    if shards["failed"] and not shards["running"] and not shards["queued"]:
+        return "cancelling" if shards["running"] or shards["retrying"] else "cancelled"
+    if shards["failed"] and not (shards["running"] or shards["queued"] or shards["retrying"]):
         return "failed"
-    return "running" if shards["running"] or shards["done"] else "queued"
+    return "queued" if shards["queued"] == num_shards else "running"
 
 
 def cancel_job(job_dir: Path, broker_url: str) -> None:
@@ -168,7 +180,7 @@ def resume_job(job_dir: Path, broker_url: str, retry_errors: bool = False) -> in
     store.set_shard_states(pending, "queued")
     _queue_shards(manifest, broker_url, pending)
     if retry_errors:
-        store.set_shard_states(with_errors, "queued")
+        store.set_shard_states(with_errors, "retrying")
         _queue_shards(manifest, broker_url, with_errors, retry_errors=True)
         return len(pending) + len(with_errors)
     return len(pending)
@@ -199,6 +211,8 @@ def follow_job(job_dir: Path, broker_url: str, console: Console | None = None, p
             time.sleep(poll_s)
     for error in status.errors:
         console.print(f"[red]{error}")
+    if status.state == "lost":
+        console.print(f"[red]the broker has no record of this job (Redis restarted empty?): run `vlmbatch resume {status.job_id}`")
     console.print(f"job {status.job_id} {status.state}: {status.rows_ok} rows ok, {status.rows_failed} failed")
     return EXIT_CODES[status.state]
 
