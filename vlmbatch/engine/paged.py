@@ -237,8 +237,7 @@ class PagedEngine(Engine):
             CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason) for s in group
         ]
         first = group[0]
-        return RequestOutput(request_id, first.prompt, first.token_ids[: first.num_prompt_tokens], completions,
-                             all(s.is_finished for s in group))
+        return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, all(s.is_finished for s in group))
 
     def _count(self, batch: ScheduledBatch) -> None:
         s = self.stats

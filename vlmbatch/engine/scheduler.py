@@ -67,12 +67,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [], is_prefill=False)
-        decoding = [s for s in self.running if self._is_decoding(s)]
-        budget = max(0, self.max_num_batched_tokens - len(decoding))
-        for seq in list(self.running):
+        running = [(seq, self._is_decoding(seq)) for seq in self.running]
+        budget = max(0, self.max_num_batched_tokens - sum(decoding for _, decoding in running))
+        for seq, decoding in running:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            decoding = self._is_decoding(seq)
             n = 1 if decoding else min(seq.num_uncomputed_tokens, budget)
             if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
                 continue
@@ -107,6 +106,8 @@ class Scheduler:
         """Allocate blocks for `seq`, preempting the newest unscheduled running sequences
         if needed; preempts `seq` itself (and returns False) when nothing else is left."""
         bm = self.block_manager
+        if num_tokens <= len(seq.block_table) * bm.block_size:
+            return True  # the common decode case: the last block still has room
         while not bm.can_allocate(seq, num_tokens):
             victim = next((s for s in reversed(self.running) if s is not seq and s not in batch.seqs), None)
             if victim is None:

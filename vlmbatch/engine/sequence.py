@@ -55,6 +55,7 @@ class Sequence:
     index: int = 0  # which of the request's n completions this is
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = field(init=False)
+    prompt_token_ids: list[int] = field(init=False)
     # Tokens whose KV is in the cache (prefix-cache hits included). The scheduler
     # advances it after each step; tokens [num_computed_tokens:] still need a forward.
     num_computed_tokens: int = 0
@@ -69,6 +70,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        self.prompt_token_ids = list(self.token_ids)  # never changes: outputs share it instead of copying
 
     def __len__(self) -> int:
         return len(self.token_ids)
