@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from vlmbatch.cli.options import BrokerOption, ModelOption, OutputOption, resolve_job_dir
+from vlmbatch.cli.options import BrokerOption, DtypeOption, EngineOption, ModelOption, OutputOption, resolve_job_dir
 
 JobArgument = typer.Argument(..., help="Job id (under --output) or the path of its folder.")
 
@@ -28,6 +28,8 @@ def worker(
     model: str = ModelOption,
     broker: Optional[str] = BrokerOption,
     gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each: all, or a list such as 0,1."),
+    engine: str = EngineOption,
+    dtype: str = DtypeOption,
     dry_run: bool = typer.Option(False, "--dry-run", hidden=True, help="Validate rows without a model (queue benchmark)."),
 ) -> None:
     """Serve MODEL's queue: one process per GPU (one CPU process without GPUs), model loaded once each."""
@@ -35,7 +37,8 @@ def worker(
 
     if not broker:
         raise typer.BadParameter("a worker needs a broker", param_hint="--broker")
-    raise typer.Exit(Supervisor(model, broker, gpu_slots(gpus), dry_run=dry_run).run())
+    supervisor = Supervisor(model, broker, gpu_slots(gpus), engine=engine, dtype=dtype, dry_run=dry_run)
+    raise typer.Exit(supervisor.run())
 
 
 def status(job: str = JobArgument, output: Path = OutputOption, broker: Optional[str] = BrokerOption) -> None:

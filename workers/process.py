@@ -20,14 +20,14 @@ from vlmbatch.workers.app import make_app, queue_name
 from vlmbatch.workers.store import connect
 
 
-def serve(model: str, broker_url: str, slot: str, dry_run: bool) -> int:
+def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool) -> int:
     """Run until shut down; returns Celery's exit code."""
     logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
     llm = None
     if not dry_run:
         from vlmbatch.job.plan import load_llm
 
-        llm = load_llm(model)
+        llm = load_llm(model, engine=engine, dtype=dtype)
     runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot)))
     app = make_app(broker_url)
     worker = app.Worker(
@@ -50,9 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--broker", required=True)
     parser.add_argument("--slot", default="cpu", help="GPU index this process is pinned to, or 'cpu'")
+    parser.add_argument("--engine", default="auto", help="paged, hf or auto (the worker's engine serves every job)")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--dry-run", action="store_true", help="validate rows without a model (queue benchmark)")
     args = parser.parse_args(argv)
-    code = serve(args.model, args.broker, args.slot, args.dry_run)
+    code = serve(args.model, args.broker, args.slot, args.engine, args.dtype, args.dry_run)
     # Everything that matters is already in the folder and in Redis; tearing down a loaded
     # model at interpreter exit is seconds of garbage collection, so skip it.
     logging.shutdown()

@@ -54,17 +54,21 @@ class Child:
 class Supervisor:
     """Keeps one worker process per slot alive until a shutdown signal arrives."""
 
-    def __init__(self, model: str, broker_url: str, slots: list[str], dry_run: bool = False):
+    def __init__(
+        self, model: str, broker_url: str, slots: list[str], engine: str = "auto", dtype: str = "auto", dry_run: bool = False
+    ):
         self.model = model
         self.broker_url = broker_url
         self.slots = slots
+        self.engine = engine
+        self.dtype = dtype
         self.dry_run = dry_run
         self.children: dict[str, Child] = {}
         self.stopping = False
 
     def command(self, slot: str) -> list[str]:
         cmd = [sys.executable, "-m", "vlmbatch.workers.process", "--model", self.model]
-        cmd += ["--broker", self.broker_url, "--slot", slot]
+        cmd += ["--broker", self.broker_url, "--slot", slot, "--engine", self.engine, "--dtype", self.dtype]
         return cmd + (["--dry-run"] if self.dry_run else [])
 
     def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:
