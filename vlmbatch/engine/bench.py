@@ -290,7 +290,9 @@ def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
 
 
 def decode_roofline(engine, adapter, batch: int, ceilings: dict[str, float], steps: int = 32) -> dict[str, float]:
-    """Measured decode-step time at `batch` sequences vs the time the ceilings allow."""
+    """Measured decode-step time at `batch` sequences (at most the engine's max_num_seqs)
+    vs the time the ceilings allow."""
+    batch = min(batch, engine.scheduler.max_num_seqs)
     prompts = w1_prompts(adapter, batch, seed=batch)
     result = run_engine(engine, prompts, [steps] * batch, f"decode-b{batch}")
     context = PROMPT_TOKENS + steps // 2
