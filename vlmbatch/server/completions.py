@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from vlmbatch.engine.chat import parse_chat_messages
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.errors import RowError
 from vlmbatch.models.base import ModelAdapter, PreparedPrompt
 from vlmbatch.server.async_engine import AsyncEngine
 from vlmbatch.server.errors import APIError
@@ -72,8 +73,6 @@ class ChatCompletions:
                 404, f"The model `{request.model}` does not exist; this server serves `{self._settings.model_id}`.",
                 param="model", code="model_not_found",
             )
-        from vlmbatch.engine.chat import parse_chat_messages
-
         _, image_refs, video_refs = parse_chat_messages(request.messages)
         self._check_media_counts(len(image_refs), len(video_refs))
         images, videos = await self._media.load(
@@ -88,13 +87,8 @@ class ChatCompletions:
             if error.param == "prompt":  # the client sent messages, not the rendered prompt
                 error.param = "messages"
             raise
+        # Without a limit the request may use the rest of the context (`prepare` left at least 1).
         max_tokens = request.requested_max_tokens or self._adapter.max_model_len - prompt.num_tokens
-        if max_tokens < 1:
-            raise RowError(
-                ErrorType.PROMPT_TOO_LONG,
-                f"the prompt takes {prompt.num_tokens} tokens, the whole context of {self._adapter.max_model_len}",
-                param="messages",
-            )
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
