@@ -68,19 +68,29 @@ def _run_delivered(task: Any, job_dir: str, shard_id: int, retry_errors: bool, w
             if committed() != retry_errors:
                 return "already committed" if committed() else "no part to retry"
             return _run_leased(manifest, Path(job_dir), shard_id, worker, store, lease, retry_errors)
-    except ShardStopped:
+    except Exception as exc:
+        if not _stopped_early(exc):
+            raise
         if _cancelled(store):
             store.set_shard_state(shard_id, "cancelled")
             return "cancelled"
         with advisory("record the requeue"):
             store.set_shard_state(shard_id, "queued")
-        raise Reject("stopped before commit (shutdown or lease lost)", requeue=True)
-    except NotImplementedError:
-        # A cold shutdown (SIGQUIT, second Ctrl+C) of a solo-pool worker tries to kill the
-        # running task and raises this in it; Celery would then ack and lose the shard.
-        with advisory("record the requeue"):
-            store.set_shard_state(shard_id, "queued")
-        raise Reject("cold shutdown", requeue=True)
+        raise Reject(f"stopped before commit: {exc!r}", requeue=True)
+
+
+def _stopped_early(exc: BaseException) -> bool:
+    """A stop that is no fault of the shard: it goes back to the queue, it does not fail.
+
+    Besides our own `ShardStopped` (cancel, warm shutdown, lease lost), that is a cold
+    shutdown (SIGQUIT, a second Ctrl+C): Celery's solo pool cannot kill the task it runs,
+    so it raises NotImplementedError inside it, after flagging `should_terminate`. Caught
+    as a failure, the message would be acked and the shard lost.
+    """
+    from celery.worker import state as worker_state
+
+    cold_shutdown = isinstance(exc, NotImplementedError) and worker_state.should_terminate is not None
+    return isinstance(exc, ShardStopped) or cold_shutdown
 
 
 def _run_leased(
@@ -121,7 +131,7 @@ def _run_leased(
         else:
             run_guarded(manifest, job_dir, shard_id, worker.llm, store, config.queue_poison_crashes(), **options)
     except Exception as exc:
-        if not isinstance(exc, (ShardStopped, NotImplementedError)):
+        if not _stopped_early(exc):
             with advisory("record the failed shard"):
                 store.set_shard_state(shard_id, "failed", worker=worker.worker_id, error=f"{type(exc).__name__}: {exc}")
         raise
