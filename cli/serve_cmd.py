@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Optional
 
@@ -12,9 +13,19 @@ from vlmbatch.cli.options import DeviceOption, DtypeOption, EngineOption, MediaI
 from vlmbatch.server.settings import DEFAULT_LIMIT_MM_PER_PROMPT, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_MEDIA_BYTES
 
 
-def _domains(values: list[str] | None) -> tuple[str, ...]:
+def _items(values: list[str] | None) -> tuple[str, ...]:
     """Repeated flags and comma-separated lists both work: `--allowed-media-domains a.com,b.org`."""
     return tuple(d.strip().lower() for value in values or () for d in value.split(",") if d.strip())
+
+
+def _networks(values: list[str] | None) -> tuple[str, ...]:
+    networks = _items(values)
+    for network in networks:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--allowed-media-networks")
+    return networks
 
 
 def _limits(value: str | None) -> dict[str, int]:
@@ -54,6 +65,10 @@ def serve(
         False, "--allow-private-media-urls",
         help="Allow media URLs that resolve to loopback, private, link-local or metadata addresses.",
     ),
+    allowed_media_networks: Optional[list[str]] = typer.Option(
+        None, "--allowed-media-networks",
+        help="CIDRs exempt from the private-address guard, e.g. an internal image store (repeatable or comma-separated).",
+    ),
     max_media_bytes: int = typer.Option(DEFAULT_MAX_MEDIA_BYTES, "--max-media-bytes", min=1, help="Size cap of one media download."),
     max_image_pixels: int = typer.Option(
         DEFAULT_MAX_IMAGE_PIXELS, "--max-image-pixels", min=1, help="Images with more pixels are refused before decoding."
@@ -81,8 +96,9 @@ def serve(
         media_io_kwargs=parse_json_option(media_io_kwargs, "--media-io-kwargs"),
         limit_mm_per_prompt=_limits(limit_mm_per_prompt),
         allowed_local_media_path=allowed_local_media_path,
-        allowed_media_domains=_domains(allowed_media_domains),
+        allowed_media_domains=_items(allowed_media_domains),
         allow_private_media_urls=allow_private_media_urls,
+        allowed_media_networks=_networks(allowed_media_networks),
         max_media_bytes=max_media_bytes,
         max_image_pixels=max_image_pixels,
     )

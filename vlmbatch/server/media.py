@@ -50,6 +50,7 @@ class ServerMedia:
         fetch = {
             "allowed_domains": settings.allowed_media_domains or None,
             "allow_private": settings.allow_private_media_urls,
+            "allowed_networks": settings.allowed_media_networks,
             "max_bytes": settings.max_media_bytes,
         }
         local = str(settings.allowed_local_media_path) if settings.allowed_local_media_path else None

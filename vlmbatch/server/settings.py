@@ -24,6 +24,7 @@ class ServerSettings:
     allowed_local_media_path: Path | None = None
     allowed_media_domains: tuple[str, ...] = ()
     allow_private_media_urls: bool = False
+    allowed_media_networks: tuple[str, ...] = ()  # CIDRs exempt from the private-address guard
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
