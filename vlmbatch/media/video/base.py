@@ -42,6 +42,7 @@ def walk_frames(
     wanted: Sequence[int],
     index: StreamIndex,
     seek: Callable[[int, int], Iterable[tuple[int, Callable[[], Any]]]],
+    seek_margin: int = 0,
 ) -> dict[int, Any]:
     """Collect `wanted` frames by decoding forward and seeking only past whole GOPs.
 
@@ -50,8 +51,11 @@ def walk_frames(
     `(frame index, fetch)` in presentation order; `fetch()` converts the frame
     to RGB (None if it cannot), so only wanted frames pay for conversion. A
     target that decoding skipped or could not convert (damaged data) takes the
-    next good frame; targets past the end take the last one. No frame is
-    decoded twice unless a seek lands early.
+    next good frame; targets past the end take the last one.
+
+    A seek happens only when it lands past what decoding forward would reach
+    anyway, so no frame is decoded twice. `seek_margin`: the backend's seek
+    starts at the keyframe before `target - seek_margin` (OpenCV: 16).
     """
     frames: dict[int, Any] = {}
     iterator: Iterator[tuple[int, Callable[[], Any]]] | None = None
@@ -60,7 +64,7 @@ def walk_frames(
         if position >= target and current is not None:  # decoding skipped over this target
             frames[target] = current
             continue
-        keyframe = index.keyframe_before(target)
+        keyframe = index.keyframe_before(max(0, target - seek_margin))
         if iterator is None or keyframe > position + 1:
             iterator = iter(seek(keyframe, target))
         current = None

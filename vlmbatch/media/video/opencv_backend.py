@@ -45,6 +45,7 @@ def open_capture(source: VideoSource, raw_packets: bool = False) -> Iterator[Any
 
 
 _MAX_GRAB_FAILURES = 8
+_SEEK_MARGIN = 16  # OpenCV's seek to frame n starts at the keyframe before n - 16
 
 
 class OpenCVBackend(VideoBackend):
@@ -72,7 +73,7 @@ class OpenCVBackend(VideoBackend):
                 for _ in grab_loop(capture):
                     yield position(), fetch
 
-            return walk_frames(wanted, index, frames_from)
+            return walk_frames(wanted, index, frames_from, seek_margin=_SEEK_MARGIN)
 
 
 def grab_loop(capture: Any) -> Iterator[None]:
