@@ -39,13 +39,12 @@ def bench_engine(
         backends=_split(backends), extra_shapes=_split(extra_shapes), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization, device=device,
     )
-    report = run_bench(options, echo=typer.echo)
-    for workload, figures in sorted(report["summary"].items()):
+    report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)))
+    for workload, figures in sorted(report.get("summary", {}).items()):
         speedup = f"{figures['speedup']:.1f}x the best peer" if figures["speedup"] else "no peer run"
         typer.echo(f"{workload}: {figures['paged_requests_per_s']:.1f} req/s, {speedup}")
-    json_out.write_text(json.dumps(report, indent=2))
     typer.echo(f"wrote {json_out}")
-    if not report["ok"]:
+    if not report["ok"] or report["errors"]:
         raise typer.Exit(1)
 
 

@@ -10,8 +10,10 @@ values; nothing is downloaded):
    `transformers` fp32 on the same weights (bound: 2x transformers' own bf16 error, >= 2e-2),
 3. W1 and W2 on the paged engine (`--requests` each; shorten it for a quick run),
 4. decode-step time at batch 1 and 64 against the roofline, for 3B and 7B shapes.
-Prints a table and writes engine_check.json into $OUT (or the current folder); exits 1
-when a backend's logits are out of bounds.
+Prints a table and writes engine_check.json into $OUT (or the current folder) after every
+phase, so a run cut short keeps what it measured; a failing phase is recorded with its
+traceback and the rest still run. Exits 1 when a backend's logits are out of bounds or a
+phase failed.
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    report = run_bench(options)
-    for workload, figures in sorted(report["summary"].items()):
+    path = Path(os.environ.get("OUT", ".")) / "engine_check.json"
+    report = run_bench(options, save=lambda partial: path.write_text(json.dumps(partial, indent=2)))
+    for workload, figures in sorted(report.get("summary", {}).items()):
         print(f"{workload}: {figures}")
-    out = Path(os.environ.get("OUT", "."))
-    (out / "engine_check.json").write_text(json.dumps(report, indent=2))
-    return 0 if report["ok"] else 1
+    for phase, error in report["errors"].items():
+        print(f"{phase} failed:\n{error}")
+    return 0 if report["ok"] and not report["errors"] else 1
 
 
 if __name__ == "__main__":

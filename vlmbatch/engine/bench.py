@@ -18,6 +18,7 @@ import random
 import statistics
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -237,15 +238,20 @@ def check_backends(engine, reference: LogitReference, backends: list[str], adapt
                               "bound_max_rel_err": reference.bound, "transformers_low_precision": reference.transformers_low_precision,
                               "backends": {}}
     for name in backends:
-        engine.runner.use_backend(create_backend(name, engine.device))
-        engine.block_manager.reset_prefix_cache()
-        errors = relative_errors(engine.teacher_forced_logits(reference.prompts, reference.continuations), reference.logits)
-        speed = decode_roofline(engine, adapter, min(64, engine.scheduler.max_num_seqs), ceilings, steps=16)
-        report["backends"][name] = dict(errors, ok=errors["max_rel_err"] <= reference.bound, decode_step_ms_b64=speed["decode_step_ms"])
-    report["fastest_backend"] = min(report["backends"], key=lambda b: report["backends"][b]["decode_step_ms_b64"])
-    if engine.device.type == "cuda" and len(backends) > 1 and report["backends"][report["fastest_backend"]]["ok"]:
+        try:
+            engine.runner.use_backend(create_backend(name, engine.device))
+            engine.block_manager.reset_prefix_cache()
+            errors = relative_errors(engine.teacher_forced_logits(reference.prompts, reference.continuations), reference.logits)
+            speed = decode_roofline(engine, adapter, 64, ceilings, steps=16)
+            report["backends"][name] = dict(errors, ok=errors["max_rel_err"] <= reference.bound, decode_step_ms_b64=speed["decode_step_ms"])
+        except Exception as exc:  # noqa: BLE001  (a backend that fails to run is a finding, not the end)
+            report["backends"][name] = {"ok": False, "error": "".join(traceback.format_exception(exc))[-4000:]}
+            for request_id in list(engine.requests):
+                engine.abort_request(request_id)
+    passing = [b for b, e in report["backends"].items() if e["ok"]]
+    report["fastest_backend"] = min(passing, key=lambda b: report["backends"][b]["decode_step_ms_b64"]) if passing else None
+    if engine.device.type == "cuda" and len(passing) > 1:
         record_fastest_backend(engine.device, report["fastest_backend"])  # what `auto` picks from now on
-    engine.runner.use_backend(create_backend("auto", engine.device))
     return report
 
 
@@ -356,51 +362,98 @@ def _paged_engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, 
     )
 
 
-def run_bench(options: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Peer runs, logit checks per backend, our runs, decode rooflines; returns the report."""
-    from vlmbatch.engine.attention import available_backends
+class _Phases:
+    """Runs the benchmark's phases so that one failing (a backend that does not compile, an
+    OOM on the 7B shapes) is recorded in the report instead of losing the others; the
+    report is saved after every phase, so a run cut short still leaves its figures."""
+
+    def __init__(self, report: dict[str, Any], save: Callable[[dict[str, Any]], None] | None, echo: Callable[[str], None]):
+        self.report, self.save, self.echo = report, save, echo
+        report["errors"] = {}
+
+    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001  (any failure of a phase goes into the report)
+            self.report["errors"][name] = "".join(traceback.format_exception(exc))[-4000:]
+            self.echo(f"{name} failed: {exc.__class__.__name__}: {exc}")
+            return None
+        finally:
+            if self.save is not None:
+                self.save(self.report)
+
+
+def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
+              save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Peer runs, logit checks per backend, our runs, decode rooflines; returns the report
+    (`save` gets it after every phase)."""
+    from vlmbatch.engine.attention import available_backends, create_backend
     from vlmbatch.models.registry import resolve_device
 
     device = resolve_device(options.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "options": asdict(options)}
+                              "options": asdict(options), "runs": [], "decode_roofline": {}}
+    phases = _Phases(report, save, echo)
     ceilings = report["ceilings"] = measure_ceilings(device)
     echo(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
     results: list[RunResult] = []
+
+    def record(result: RunResult) -> None:
+        results.append(result)
+        report["runs"].append(dict(asdict(result), requests_per_s=result.requests_per_s, output_tokens_per_s=result.output_tokens_per_s))
+        report["summary"] = _summary(results)
+        echo(_row(result))
+
     with tempfile.TemporaryDirectory() as tmp:
         adapter, hf_model = real_model(options.model, dtype, device) if options.model else random_model(options.shape, Path(tmp), dtype, device)
         for workload in options.workloads:
             lengths, prompts = output_lengths(workload, options.peer_requests), w1_prompts(adapter, options.peer_requests)
             for batch_size in options.peer_batches if workload == "w1" else [max(options.peer_batches)]:
-                results.append(run_peer(hf_model, adapter, prompts, lengths, batch_size, workload, device))
-                echo(_row(results[-1]))
+                result = phases.run(f"peer-{workload}-b{batch_size}", run_peer, hf_model, adapter, prompts, lengths, batch_size, workload, device)
+                if result is not None:
+                    record(result)
         reference = logit_reference(hf_model, adapter, w1_prompts(adapter, options.check_prompts, seed=7), options.decode_steps, device)
         engine = _paged_engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
         correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device), adapter, ceilings)
         for name, errors in correctness["backends"].items():
-            echo(f"logits vs transformers fp32 [{name}]: max rel err {errors['max_rel_err']:.2e} (bound {reference.bound:.2e}), "
-                 f"top-1 agreement {100 * errors['top1_agreement']:.1f}%, decode step b64 {errors['decode_step_ms_b64']:.2f} ms "
-                 f"-> {'ok' if errors['ok'] else 'FAIL'}")
+            echo(_check_row(name, errors, reference.bound))
+        if correctness["fastest_backend"] is not None:
+            engine.runner.use_backend(create_backend(correctness["fastest_backend"], device))
         for number, workload in enumerate(options.workloads):  # fresh prompts and images: no cache hits across runs
             prompts = w1_prompts(adapter, options.requests, seed=100 + number)
-            results.append(run_engine(engine, prompts, output_lengths(workload, options.requests), workload))
-            echo(_row(results[-1]))
-        rooflines = report["decode_roofline"] = {}
+            result = phases.run(f"paged-{workload}", run_engine, engine, prompts, output_lengths(workload, options.requests), workload)
+            if result is not None:
+                record(result)
         for shape in [options.shape, *([] if options.model else options.extra_shapes)]:
             if shape != options.shape:
                 del engine
                 _free(device)
-                adapter, hf_model = random_model(shape, Path(tmp), dtype, device)
-                engine = _paged_engine(adapter, hf_model, options, dtype, device, max(options.decode_batches))
-                del hf_model
-            rooflines[shape] = [decode_roofline(engine, adapter, b, ceilings) for b in options.decode_batches]
-            for row in rooflines[shape]:
-                echo(_roofline_row(shape, row))
+                engine = phases.run(f"build-{shape}", _random_engine, shape, Path(tmp), options, dtype, device)
+                if engine is None:
+                    continue
+            for batch in options.decode_batches:
+                row = phases.run(f"roofline-{shape}-b{batch}", decode_roofline, engine, engine.adapter, batch, ceilings)
+                if row is not None:
+                    report["decode_roofline"].setdefault(shape, []).append(row)
+                    echo(_roofline_row(shape, row))
         del engine
         _free(device)
-    report["runs"] = [dict(asdict(r), requests_per_s=r.requests_per_s, output_tokens_per_s=r.output_tokens_per_s) for r in results]
-    report["summary"] = _summary(results)
-    report["ok"] = all(e["ok"] for e in correctness["backends"].values())
+    report["ok"] = bool(correctness["backends"]) and all(e["ok"] for e in correctness["backends"].values())
+    if save is not None:
+        save(report)
     return report
+
+
+def _random_engine(shape: str, workdir: Path, options: BenchOptions, dtype: torch.dtype, device: torch.device):
+    adapter, hf_model = random_model(shape, workdir, dtype, device)
+    return _paged_engine(adapter, hf_model, options, dtype, device, max(options.decode_batches))
+
+
+def _check_row(name: str, errors: dict[str, Any], bound: float) -> str:
+    if "error" in errors:
+        return f"logits vs transformers fp32 [{name}]: FAILED to run ({errors['error'].splitlines()[-1]})"
+    return (f"logits vs transformers fp32 [{name}]: max rel err {errors['max_rel_err']:.2e} (bound {bound:.2e}), "
+            f"top-1 agreement {100 * errors['top1_agreement']:.1f}%, decode step b64 {errors['decode_step_ms_b64']:.2f} ms "
+            f"-> {'ok' if errors['ok'] else 'FAIL'}")
