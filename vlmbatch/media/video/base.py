@@ -38,6 +38,11 @@ class VideoBackend(ABC):
         return np.stack(frames)
 
 
+# A seek flushes the decoder (frames in flight in a threaded decoder are lost)
+# and repositions the demuxer: not worth it to skip just a few frames.
+MIN_FRAMES_SKIPPED_BY_SEEK = 8
+
+
 def walk_frames(
     wanted: Sequence[int],
     index: StreamIndex,
@@ -53,8 +58,9 @@ def walk_frames(
     target that decoding skipped or could not convert (damaged data) takes the
     next good frame; targets past the end take the last one.
 
-    A seek happens only when it lands past what decoding forward would reach
-    anyway, so no frame is decoded twice. `seek_margin`: the backend's seek
+    A seek happens only when it skips at least `MIN_FRAMES_SKIPPED_BY_SEEK`
+    frames that decoding forward would have to go through, so no frame is
+    decoded twice. `seek_margin`: the backend's seek
     starts at the keyframe before `target - seek_margin` (OpenCV: 16).
     """
     frames: dict[int, Any] = {}
@@ -65,7 +71,7 @@ def walk_frames(
             frames[target] = current
             continue
         keyframe = index.keyframe_before(max(0, target - seek_margin))
-        if iterator is None or keyframe > position + 1:
+        if iterator is None or keyframe > position + MIN_FRAMES_SKIPPED_BY_SEEK:
             iterator = iter(seek(keyframe, target))
         current = None
         for position, fetch in iterator:
