@@ -5,18 +5,24 @@ import torch
 from vlmbatch.engine.bench import BenchOptions, decode_step_cost, run_bench
 
 
-def test_bench_runs_peer_and_engine_and_checks_teacher_forced_logits():
+def test_bench_runs_peer_and_engine_checks_logits_and_records_failures():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    saved = []
     try:
         report = run_bench(BenchOptions(
             shape="tiny", requests=4, peer_requests=2, peer_batches=(2,), workloads=("w1",), check_prompts=2,
             decode_steps=4, decode_batches=(2,), extra_shapes=(), max_num_seqs=4, max_num_batched_tokens=600,
-        ), echo=lambda line: None)
+            backends=("no-such-backend", "torch"),
+        ), echo=lambda line: None, save=saved.append)
     finally:
         torch.set_num_threads(threads)
     correctness = report["correctness"]
-    assert report["ok"] and correctness["bound_max_rel_err"] == 1e-4  # fp32 on both sides
+    assert correctness["bound_max_rel_err"] == 1e-4  # fp32 on both sides
+    # a backend that cannot run is recorded as failed; the rest of the run goes on with one that passed
+    assert not report["ok"] and "unknown attention backend" in correctness["backends"]["no-such-backend"]["error"]
+    assert correctness["fastest_backend"] == "torch" and not report["errors"]
+    assert len(saved) > 3 and saved[-1] is report
     assert correctness["backends"]["torch"]["max_rel_err"] < 1e-4
     assert correctness["backends"]["torch"]["top1_agreement"] == 1.0
     runs = {r["engine"]: r for r in report["runs"]}
