@@ -74,7 +74,7 @@ def test_processor_tensors_match_the_cpu_path_per_image(processor: Qwen2VLImageP
         assert torch.equal(got["pixel_values"], expected["pixel_values"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvJPEG)")
+@pytest.mark.gpu
 def test_gpu_tensors_match_the_cpu_path_within_decoder_rounding(processor: Qwen2VLImageProcessor) -> None:
     datas = [_jpeg(seed, (640, 360)) for seed in range(8)]
     results = preprocess_images(datas, processor, device="cuda")

@@ -78,6 +78,7 @@ def test_out_of_order_completion_keeps_every_result_with_its_row() -> None:
     assert len({pid for _, _, pid in results}) == 2  # both workers took rows
 
 
+@pytest.mark.timeout(120)  # an unbounded pool would read the endless source forever
 def test_source_is_only_read_when_there_is_room() -> None:
     pulled = 0
     payload = b"x" * 1_000_000  # a 1 MB row: 400 of them kept anywhere would show in RSS
