@@ -82,9 +82,10 @@ def serve(
     """Serve MODEL behind an OpenAI-compatible /v1/chat/completions (images and videos)."""
     import uvicorn
 
-    from vlmbatch.engine.llm import LLM
+    from vlmbatch.engine import create_engine
     from vlmbatch.errors import JobError
-    from vlmbatch.server.app import create_app
+    from vlmbatch.models.registry import load_adapter
+    from vlmbatch.server.app import create_app, require_chat_template
     from vlmbatch.server.settings import ServerSettings
 
     console = Console(stderr=True)
@@ -103,8 +104,9 @@ def serve(
         max_image_pixels=max_image_pixels,
     )
     try:
-        llm = LLM(model, engine=engine, chat_template=settings.chat_template, dtype=dtype, device=device)
-        app = create_app(llm.adapter, llm.engine, settings)
+        adapter = load_adapter(model, chat_template=settings.chat_template)
+        require_chat_template(adapter)  # before the weights load: a refusal should be quick
+        app = create_app(adapter, create_engine(engine, adapter, dtype=dtype, device=device), settings)
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)
