@@ -33,9 +33,13 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError("an M-RoPE model without mrope_section in its rotary module or config")
         inv_freq, scaling = hf_rotary.inv_freq, getattr(hf_rotary, "attention_scaling", 1.0)
         if getattr(hf_rotary, "rope_type", None) == "default" and hasattr(hf_rotary, "compute_default_rope_parameters"):
-            # Recomputed in fp32: a model loaded in bf16 may hold a rounded copy.
-            inv_freq, scaling = hf_rotary.compute_default_rope_parameters(text_config)
-            inv_freq = inv_freq.to(hf_rotary.inv_freq.device)
+            # Recomputed in fp32 where this transformers version allows: a model loaded in
+            # bf16 may hold a rounded copy.
+            try:
+                fresh, scaling = hf_rotary.compute_default_rope_parameters(text_config)
+                inv_freq = fresh.to(hf_rotary.inv_freq.device)
+            except (TypeError, KeyError, AttributeError):
+                pass
         return cls(inv_freq, float(scaling), section)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
