@@ -79,9 +79,13 @@ def random_model(shape: str, workdir: Path, dtype: torch.dtype, device: torch.de
 
 
 def real_model(path: str, dtype: torch.dtype, device: torch.device):
+    """(adapter, HF model) of a real Qwen-VL checkpoint: the workloads are Qwen image prompts."""
     from vlmbatch.models.registry import load_adapter, load_hf_model
 
-    return load_adapter(path), load_hf_model(path, dtype, str(device))
+    adapter = load_adapter(path)
+    if adapter.family not in ("qwen2_5_vl", "qwen2_vl"):
+        raise ValueError(f"the engine benchmark's workloads need a Qwen2-VL/Qwen2.5-VL model, not {adapter.family}")
+    return adapter, load_hf_model(path, dtype, str(device))
 
 
 # ---- workloads ------------------------------------------------------------------------
