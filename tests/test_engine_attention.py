@@ -36,6 +36,11 @@ def paged_setup(context_lens, q_lens):
     return k_cache, v_cache, meta
 
 
+def step_kv(cache, meta):
+    """The keys/values this step wrote (the backend receives them besides the cache)."""
+    return cache.view(-1, KV_HEADS, DIM)[meta.slot_mapping]
+
+
 def test_decode_matches_reference():
     k_cache, v_cache, meta = paged_setup([1, 7, 13], [1, 1, 1])
     q = torch.randn(3, HEADS, DIM)
@@ -48,8 +53,16 @@ def test_prefill_with_cached_prefix_and_fresh_sequences_matches_reference():
     # sequence 0: chunk of 5 after 6 cached tokens; 1: fresh 9 tokens; 2: one token after 3 cached
     k_cache, v_cache, meta = paged_setup([11, 9, 4], [5, 9, 1])
     q = torch.randn(15, HEADS, DIM)
-    flat = lambda cache: cache.view(-1, KV_HEADS, DIM)[meta.slot_mapping]  # noqa: E731  this step's k/v
-    out = TorchBackend().prefill(q, flat(k_cache), flat(v_cache), k_cache, v_cache, meta, 0.3)
+    out = TorchBackend().prefill(q, step_kv(k_cache, meta), step_kv(v_cache, meta), k_cache, v_cache, meta, 0.3)
+    expected = paged_prefill_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0.3)
+    torch.testing.assert_close(out, expected)
+
+
+def test_prefill_with_decoding_rows_matches_reference():
+    # two decoding sequences (one new token each) share the step with a 4-token chunk
+    k_cache, v_cache, meta = paged_setup([9, 4, 13], [1, 4, 1])
+    q = torch.randn(6, HEADS, DIM)
+    out = TorchBackend().prefill(q, step_kv(k_cache, meta), step_kv(v_cache, meta), k_cache, v_cache, meta, 0.3)
     expected = paged_prefill_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0.3)
     torch.testing.assert_close(out, expected)
 

@@ -78,24 +78,35 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+        """SDPA per prompt chunk; the one-token rows of decoding sequences that share the
+        step go through the batched decode path in one call."""
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
-        start = 0
+        starts = [0]
+        for q_len in meta.q_lens:
+            starts.append(starts[-1] + q_len)
+        single = [b for b, q_len in enumerate(meta.q_lens) if q_len == 1]
+        if len(single) > 1:
+            rows = torch.tensor(single, device=q.device)
+            tokens = torch.tensor([starts[b] for b in single], device=q.device)
+            sub = AttentionMetadata(False, meta.slot_mapping, meta.block_tables[rows], meta.context_lens[rows])
+            out[tokens] = self.decode(q[tokens], k_cache, v_cache, sub, scale)
         for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.context_lens_host)):
-            end = start + q_len
+            if q_len == 1 and len(single) > 1:
+                continue
+            start, end = starts[b], starts[b + 1]
             if ctx == q_len:  # nothing cached before: this step's k/v are the whole context
                 keys, values = k[start:end], v[start:end]
                 mask, causal = None, True
             else:
                 blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size]
                 keys, values = _gather_context(k_cache, blocks, ctx), _gather_context(v_cache, blocks, ctx)
-                rows = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
-                mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows, False
+                positions = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
+                mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= positions, False
             out[start:end] = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
             ).transpose(0, 1)
-            start = end
         return out
 
     def decode(self, q, k_cache, v_cache, meta, scale):
