@@ -18,7 +18,7 @@ from vlmbatch.engine.sampler import SamplingBatch, sample
 from vlmbatch.engine.scheduler import ScheduledBatch
 from vlmbatch.engine.sequence import Sequence
 
-_ACTIVATION_RESERVE_BYTES = 2 << 30  # vision tower and sampling workspace beyond the measured prefill peak
+_ACTIVATION_RESERVE_BYTES = 4 << 30  # vision tower (a full step of images), graphs and sampling beyond the measured prefill peak
 _CPU_KV_CACHE_BYTES = 256 << 20  # default cache on the CPU, where free memory says little
 
 
