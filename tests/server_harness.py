@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+import pytest
 from PIL import Image
 
 
@@ -105,3 +106,12 @@ class MediaServer:
                 return self._send(404, b"not found", "text/plain")
 
         return Handler
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory):
+    """A media server with one image, /files/red.png (import this fixture into a test module)."""
+    root = tmp_path_factory.mktemp("media")
+    (root / "red.png").write_bytes(png_bytes())
+    with MediaServer(root) as server:
+        yield server

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MediaServer, png_bytes
+from server_harness import MediaServer, media, png_bytes  # noqa: F401  (media: a fixture)
 from vlmbatch.server.launcher import ServerProcess
 
 
@@ -23,14 +23,6 @@ def template_less(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     template = root / "template.jinja"
     shutil.move(model / "chat_template.jinja", template)
     return model, template
-
-
-@pytest.fixture(scope="module")
-def media(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("media")
-    (root / "red.png").write_bytes(png_bytes())
-    with MediaServer(root) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_harness import MediaServer, png_bytes
+from server_harness import MediaServer, media  # noqa: F401  (media: a fixture)
 from vlmbatch.server.launcher import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def media(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("media")
-    (root / "red.png").write_bytes(png_bytes())
-    with MediaServer(root) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
