@@ -185,9 +185,11 @@ class ProcessPool:
             start_fork_server()
         self.workers: list[_Worker] = []
         self.restarts = 0
-        self._owner_alive_reader, self._owner_alive_writer = self.context.Pipe(duplex=False)
 
     def __enter__(self) -> ProcessPool:
+        # We hold the only write end and never write: the workers watch it to outlive us by
+        # at most a second (see `_next_task`).
+        self._owner_alive_reader, self._owner_alive_writer = self.context.Pipe(duplex=False)
         self.workers = [self._start_worker() for _ in range(self.num_workers)]
         return self
 
