@@ -145,6 +145,7 @@ def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], worklo
     """All requests queued at once (their preparation counted), stepped to the end;
     decode-step time is the median wall time of decode steps (each ends in a host copy
     of the sampled tokens, so it is synced)."""
+    stats_before = asdict(engine.stats)
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         engine.add_request(f"{workload}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -157,8 +158,9 @@ def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], worklo
             decode_times.append(time.perf_counter() - step_start)
         generated += sum(1 for o in outputs if o.outputs)
     seconds = time.perf_counter() - start
+    stats = {k: v - stats_before[k] for k, v in asdict(engine.stats).items()}  # this run's share of the counters
     return RunResult("paged", workload, len(prompts), seconds, generated,
-                     1000 * statistics.median(decode_times) if decode_times else None, asdict(engine.stats))
+                     1000 * statistics.median(decode_times) if decode_times else None, stats)
 
 
 def hf_inputs(adapter, prompts: list[PreparedPrompt], device: torch.device, hf_model) -> dict[str, torch.Tensor]:
