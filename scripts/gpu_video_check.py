@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
 """Device check for the NVDEC backend: colour agreement with OpenCV, and throughput.
 
-Run from the repository root on the GPU machine, with the PyNvVideoCodec wheel
-carried in `.whl/` (installed into a temporary folder if it is not importable):
+The GPU machine has no ffmpeg and its OpenCV cannot encode h264, so make the
+h264 clips here first (into an ignored folder) and carry them with the wheel:
 
-    python3 scripts/gpu_video_check.py
+    python3 scripts/gpu_video_check.py --make-clips bench-out/gpu-video-clips      # CPU box, ffmpeg
+    python3 scripts/gpu_video_check.py --clips bench-out/gpu-video-clips           # GPU machine
+    (carry: .whl/pynvvideocodec-2.2.4-cp312-cp312-manylinux_2_28_x86_64.whl, bench-out/gpu-video-clips)
 
-1. Makes 720p h264 clips (ffmpeg if present, else OpenCV's VideoWriter): 10 s
-   untagged, 10 s tagged BT.709 (ffmpeg only), 60 s for throughput.
+The wheel is installed into a temporary folder if PyNvVideoCodec is not importable.
+Without `--clips` the clips are made on the spot (ffmpeg, else OpenCV's VideoWriter,
+which on the GPU machine writes MPEG-4 part 2, not h264).
+
+1. Clips, 720p: 10 s untagged h264, 10 s h264 tagged BT.709, 60 s with the
+   encoder's keyframe spacing and 60 s with one keyframe per second.
 2. Decodes every frame with PyNvVideoCodec's own RGB ("before") and with the
    vlmbatch backend (NV12 + FFmpeg's matrix, "after"), and with OpenCV; prints the
    per-frame mean absolute difference to OpenCV, and which colour matrix explains
@@ -54,7 +60,7 @@ def make_clip(path: Path, seconds: int, tagged_bt709: bool = False, keyint: int 
         colour = ["-vf", "scale=out_color_matrix=bt709", "-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709"] if tagged_bt709 else []
         subprocess.run(
             ["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-f", "lavfi", "-i", f"testsrc2=size=1280x720:rate=30:duration={seconds}",
-             *colour, "-c:v", "libx264", "-pix_fmt", "yuv420p", "-g", str(keyint), str(path)],
+             *colour, "-c:v", "libx264", "-preset", "veryfast", "-crf", "28", "-pix_fmt", "yuv420p", "-g", str(keyint), str(path)],
             check=True,
         )
         return path
@@ -68,9 +74,10 @@ def make_clip(path: Path, seconds: int, tagged_bt709: bool = False, keyint: int 
         if writer.isOpened():
             break
     print(f"ffmpeg not found: writing {path.name} with OpenCV fourcc {fourcc}")
-    yy, xx = np.mgrid[0:720, 0:1280]
+    yy, xx = np.mgrid[0:720, 0:1280 + 30 * 4]
+    pattern = np.stack([xx % 256, (yy + xx // 3) % 256, ((xx + yy) // 4) % 256], axis=-1).astype(np.uint8)
     for i in range(seconds * 30):
-        frame = np.stack([(xx + 4 * i) % 256, (yy + 2 * i) % 256, ((xx + yy) // 4 + i) % 256], axis=-1).astype(np.uint8)
+        frame = np.ascontiguousarray(pattern[:, (4 * i) % 120 : (4 * i) % 120 + 1280])
         cv2.putText(frame, f"frame {i}", (80, 360), cv2.FONT_HERSHEY_SIMPLEX, 4, (255, 255, 255), 8)
         writer.write(frame)
     writer.release()
@@ -161,23 +168,52 @@ def throughput(path: Path, repeats: int = 5) -> None:
             print(f"  {frames:3d} frames  {backend:15s} {frames / seconds:8.1f} frames/s  {1 / seconds:6.2f} requests/s")
 
 
+# name -> (seconds, tagged BT.709, keyframe interval)
+CLIPS = {
+    "untagged_720p.mp4": (10, False, 250),
+    "bt709_720p.mp4": (10, True, 250),
+    "long_720p.mp4": (60, False, 250),
+    "long_720p_key1s.mp4": (60, False, 30),
+}
+
+
+def make_clips(directory: Path) -> dict[str, Path | None]:
+    """The clip set in `directory`, making those that are missing (None: cannot be made here)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    clips: dict[str, Path | None] = {}
+    for name, (seconds, tagged, keyint) in CLIPS.items():
+        path = directory / name
+        if not path.exists() and (keyint == 250 or shutil.which("ffmpeg")):
+            make_clip(path, seconds, tagged_bt709=tagged, keyint=keyint)
+        clips[name] = path if path.exists() else None
+        print(f"clip {name}: {path if path.exists() else 'not available (needs ffmpeg)'}")
+    return clips
+
+
 def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clips", help="folder of pre-made clips (made with --make-clips where ffmpeg exists)")
+    parser.add_argument("--make-clips", metavar="DIR", help="only make the clips into DIR (needs ffmpeg for h264) and exit")
+    args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # a run cut short still shows what it measured
+    if args.make_clips:
+        make_clips(Path(args.make_clips))
+        return 0
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     nvc = import_pynvvideocodec()
-    work = Path(tempfile.mkdtemp(prefix="gpu-video-"))
+    clips = make_clips(Path(args.clips) if args.clips else Path(tempfile.mkdtemp(prefix="gpu-video-")))
     worst = 0.0
-    for name, tagged in (("untagged_720p.mp4", False), ("bt709_720p.mp4", True)):
-        clip = make_clip(work / name, 10, tagged_bt709=tagged)
-        if clip is not None:
-            worst = max(worst, colour_check(nvc, clip))
-    long_clip = make_clip(work / "long_720p.mp4", 60)
-    throughput(long_clip)
-    keyed = make_clip(work / "long_720p_key1s.mp4", 60, keyint=30) if shutil.which("ffmpeg") else None
-    if keyed is not None:
-        throughput(keyed)
+    for name in ("untagged_720p.mp4", "bt709_720p.mp4"):
+        if clips.get(name) is not None:
+            worst = max(worst, colour_check(nvc, clips[name]))
+    for name in ("long_720p.mp4", "long_720p_key1s.mp4"):
+        if clips.get(name) is not None:
+            throughput(clips[name])
     print(f"\nworst per-frame difference after the fix: {worst:.3f}/255 (limit {LIMIT})")
     return 0 if worst <= LIMIT else 1
 
