@@ -218,18 +218,23 @@ class PagedEngine(Engine):
         seq.token_ids.append(token)
         params = seq.params
         if token in self.eos_token_ids and not params.ignore_eos:
-            seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", token
+            self._finish(seq, "stop", token)
             return
         previous = len(seq.text)
         seq.text += seq.detokenizer.step(token)
         for stop in params.stop:
             at = seq.text.find(stop, max(0, previous - len(stop) + 1))
             if at >= 0:
-                seq.text = seq.text[:at]
-                seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", stop
+                self._finish(seq, "stop", stop, text=seq.text[:at])
                 return
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None, text: str | None = None) -> None:
+        """The stream holds back incomplete characters; a finished text is the full decode
+        (as `generate()` + `decode` give it) unless a stop string cut it."""
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+        seq.text = text if text is not None else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
     def _output(self, request_id: str) -> RequestOutput:
         group = self.requests[request_id]
