@@ -204,3 +204,13 @@ def test_request_longer_than_the_cache_is_a_row_error(tiny_qwen):
         engine.add_request("long", prompt, SamplingParams(max_tokens=1))
     assert raised.value.error_type == ErrorType.PROMPT_TOO_LONG
     assert not engine.has_unfinished_requests()
+
+
+def test_streamed_texts_grow_into_the_final_text(qwen_engine):
+    adapter, engine = qwen_engine
+    engine.add_request("s", adapter.prepare(qwen_prompt("a person is riding", 0, False)),
+                       SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert len(texts) == 20 and all(texts[-1].startswith(text) for text in texts)
