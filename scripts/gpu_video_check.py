@@ -184,7 +184,9 @@ def make_clips(directory: Path) -> dict[str, Path | None]:
     for name, (seconds, tagged, keyint) in CLIPS.items():
         path = directory / name
         if not path.exists() and (keyint == 250 or shutil.which("ffmpeg")):
-            make_clip(path, seconds, tagged_bt709=tagged, keyint=keyint)
+            partial = path.with_suffix(".partial.mp4")  # an interrupted run leaves no half clip behind
+            if make_clip(partial, seconds, tagged_bt709=tagged, keyint=keyint) is not None:
+                partial.replace(path)
         clips[name] = path if path.exists() else None
         print(f"clip {name}: {path if path.exists() else 'not available (needs ffmpeg)'}")
     return clips
