@@ -1,5 +1,6 @@
 """The torch attention backend follows the paged-KV contract defined by the kernels' references."""
 
+import pytest
 import torch
 
 from vlmbatch.engine.attention import AttentionMetadata, TorchBackend, available_backends, create_backend
@@ -49,19 +50,16 @@ def test_decode_matches_reference():
     torch.testing.assert_close(out, expected)
 
 
-def test_prefill_with_cached_prefix_and_fresh_sequences_matches_reference():
-    # sequence 0: chunk of 5 after 6 cached tokens; 1: fresh 9 tokens; 2: one token after 3 cached
-    k_cache, v_cache, meta = paged_setup([11, 9, 4], [5, 9, 1])
-    q = torch.randn(15, HEADS, DIM)
-    out = TorchBackend().prefill(q, step_kv(k_cache, meta), step_kv(v_cache, meta), k_cache, v_cache, meta, 0.3)
-    expected = paged_prefill_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0.3)
-    torch.testing.assert_close(out, expected)
-
-
-def test_prefill_with_decoding_rows_matches_reference():
-    # two decoding sequences (one new token each) share the step with a 4-token chunk
-    k_cache, v_cache, meta = paged_setup([9, 4, 13], [1, 4, 1])
-    q = torch.randn(6, HEADS, DIM)
+@pytest.mark.parametrize(
+    ("context_lens", "q_lens"),
+    [
+        ([11, 9, 4], [5, 9, 1]),  # a chunk after 6 cached tokens, a fresh prompt, one token after 3 cached
+        ([9, 4, 13], [1, 4, 1]),  # two decoding sequences share the step with a 4-token chunk
+    ],
+)
+def test_prefill_matches_reference(context_lens, q_lens):
+    k_cache, v_cache, meta = paged_setup(context_lens, q_lens)
+    q = torch.randn(sum(q_lens), HEADS, DIM)
     out = TorchBackend().prefill(q, step_kv(k_cache, meta), step_kv(v_cache, meta), k_cache, v_cache, meta, 0.3)
     expected = paged_prefill_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0.3)
     torch.testing.assert_close(out, expected)
