@@ -40,13 +40,15 @@ def _size_setup(_: None) -> Callable[[Task], Any]:
     return lambda task: (task[0], len(task[1]))
 
 
-def _crashing_setup(_: None) -> Callable[[Task], Any]:
-    """Dies like a segfaulting decoder on a "crash" row, raises on a "raise" row."""
+def _misbehaving_setup(_: None) -> Callable[[Task], Any]:
+    """Dies like a segfaulting decoder on a "crash" row, hangs on a "hang" row, raises on a "raise" row."""
 
     def handle(task: Task) -> tuple[int, Any, int]:
         row_id, payload = task
         if payload == "crash":
             os._exit(11)
+        if payload == "hang":
+            time.sleep(600)
         if payload == "raise":
             raise ValueError("bad row")
         return row_id, payload, os.getpid()
@@ -107,7 +109,7 @@ def test_source_is_only_read_when_there_is_room() -> None:
 
 def test_a_worker_crash_fails_only_its_row_and_the_pool_recovers() -> None:
     rows = [(row_id, "crash" if row_id == 3 else "raise" if row_id == 5 else "ok") for row_id in range(12)]
-    with ProcessPool(_crashing_setup, None, _failure, num_workers=2, max_pending=8) as pool:
+    with ProcessPool(_misbehaving_setup, None, _failure, num_workers=2, max_pending=8) as pool:
         results = {result[0]: result for result in pool.imap_unordered(rows)}
         restarts = pool.restarts
     assert sorted(results) == list(range(12))
@@ -115,6 +117,17 @@ def test_a_worker_crash_fails_only_its_row_and_the_pool_recovers() -> None:
     assert results[5][1:] == (ErrorType.ENGINE, "ValueError: bad row")
     assert all(results[row_id][1] == "ok" for row_id in range(12) if row_id not in (3, 5))
     assert restarts == 1  # the exception did not cost a worker, the crash cost one
+
+
+def test_a_hung_row_times_out_and_its_worker_is_replaced() -> None:
+    rows = [(row_id, "hang" if row_id == 2 else "ok") for row_id in range(10)]
+    with ProcessPool(_misbehaving_setup, None, _failure, num_workers=2, task_timeout=2.0) as pool:
+        start = time.monotonic()
+        results = {result[0]: result for result in pool.imap_unordered(rows)}
+        elapsed, restarts = time.monotonic() - start, pool.restarts
+    assert results[2][1:] == (ErrorType.MEDIA_TIMEOUT, "preparing this row took over 2 s")
+    assert all(results[row_id][1] == "ok" for row_id in range(10) if row_id != 2)
+    assert restarts == 1 and elapsed < 30
 
 
 def test_a_setup_failure_stops_the_pool_with_the_reason() -> None:

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +48,10 @@ if TYPE_CHECKING:
 # One row being prepared plus one waiting, so a worker never idles between rows while a
 # slow row (a long video) holds back at most one other row.
 _TASKS_PER_WORKER = 2
+# A row still being prepared after this long has hung its worker (a stuck decoder): the
+# worker is killed and the row fails with `media_timeout`. Far above any real row (a long
+# video takes seconds), so it only ever catches hangs.
+DEFAULT_ROW_TIMEOUT = 600.0
 # How often an idle worker checks that the process that owns its pool still exists.
 _ORPHAN_CHECK_SECONDS = 1.0
 # Modules the fork server imports once, so each (re)started worker skips their import time:
@@ -155,12 +160,18 @@ class _Worker:
     results: Connection
     held: deque[Task] = field(default_factory=deque)  # sent, not answered; held[0] is running
     ready: bool = False
+    running_since: float | None = None  # monotonic start of held[0], once the worker is ready
+
+    def advance(self) -> None:
+        """held[0] changed: restart its clock (or stop it when idle)."""
+        self.running_since = time.monotonic() if self.held and self.ready else None
 
 
 class ProcessPool:
     """Worker processes that each run `handle = setup(setup_arg)` once, then `handle(task)`.
 
-    `imap_unordered` yields results as they finish; a task whose worker died or raised
+    `imap_unordered` yields results as they finish; a task whose worker died or raised,
+    or that ran longer than `task_timeout` seconds (its worker is killed and replaced),
     becomes `on_failure(task, error_type, message)` instead.
     """
 
@@ -172,6 +183,7 @@ class ProcessPool:
         num_workers: int,
         max_pending: int | None = None,
         start_method: str = "forkserver",
+        task_timeout: float | None = None,
     ):
         if num_workers < 1:
             raise ValueError("a process pool needs at least one worker")
@@ -180,6 +192,7 @@ class ProcessPool:
         self.on_failure = on_failure
         self.num_workers = num_workers
         self.max_pending = max(1, max_pending or 4 * num_workers)
+        self.task_timeout = task_timeout
         self.context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             start_fork_server()
@@ -270,6 +283,8 @@ class ProcessPool:
             task = waiting.popleft()
             worker.held.append(task)
             worker.tasks.put(task)
+            if len(worker.held) == 1:
+                worker.advance()
 
     def _collect(self, waiting: deque[Task]) -> list[Any]:
         """Block until some worker answers or dies; return the results that came in."""
@@ -278,14 +293,31 @@ class ProcessPool:
             by_handle[worker.results] = worker
             by_handle[worker.process.sentinel] = worker
         results: list[Any] = []
-        for handle in wait(list(by_handle)):
+        for handle in wait(list(by_handle), timeout=self._until_next_timeout()):
             worker = by_handle[handle]
             if worker not in self.workers:
                 continue  # already replaced through its other handle
             results.extend(self._drain(worker))
             if handle == worker.process.sentinel:
                 results.extend(self._replace_dead(worker, waiting))
+        for worker in list(self.workers):
+            if self._overdue(worker):
+                hung = worker.held[0]
+                worker.process.kill()  # a hung decoder: only killing it frees the worker
+                results.extend(self._drain(worker))
+                results.extend(self._replace_dead(worker, waiting, hung))
         return results
+
+    def _overdue(self, worker: _Worker) -> bool:
+        started = worker.running_since
+        return self.task_timeout is not None and started is not None and time.monotonic() - started > self.task_timeout
+
+    def _until_next_timeout(self) -> float | None:
+        """Seconds until the running task that started first reaches `task_timeout`."""
+        starts = [w.running_since for w in self.workers if w.running_since is not None]
+        if self.task_timeout is None or not starts:
+            return None
+        return max(0.0, min(starts) + self.task_timeout - time.monotonic())
 
     def _drain(self, worker: _Worker) -> list[Any]:
         """Everything the worker has sent so far (also after it died: the pipe keeps it)."""
@@ -304,18 +336,23 @@ class ProcessPool:
                 results.append(value)
             else:
                 results.append(self.on_failure(worker.held.popleft(), ErrorType.ENGINE, value))
+            worker.advance()
         return results
 
-    def _replace_dead(self, worker: _Worker, waiting: deque[Task]) -> list[Any]:
-        """Fail the row the dead worker was running, requeue the rest, start a new worker."""
+    def _replace_dead(self, worker: _Worker, waiting: deque[Task], hung: Task | None = None) -> list[Any]:
+        """Fail the row the dead worker was running (or the `hung` one we killed it for),
+        requeue the rest, start a new worker."""
         worker.process.join()
         if not worker.ready:
             raise PoolStartError(f"a preprocessing worker died during start-up (exit code {worker.process.exitcode})")
         results = []
-        if worker.held:
+        if worker.held and hung is None:
             message = f"the preprocessing worker died on this row (exit code {worker.process.exitcode})"
             results.append(self.on_failure(worker.held.popleft(), ErrorType.WORKER_CRASH, message))
-            waiting.extendleft(reversed(worker.held))
+        elif worker.held and worker.held[0] is hung:  # else it finished just before the kill
+            message = f"preparing this row took over {self.task_timeout:g} s"
+            results.append(self.on_failure(worker.held.popleft(), ErrorType.MEDIA_TIMEOUT, message))
+        waiting.extendleft(reversed(worker.held))
         self._release(worker)
         self.workers[self.workers.index(worker)] = self._start_worker()
         self.restarts += 1
@@ -376,12 +413,14 @@ def prepare_rows_parallel(
     num_workers: int | None = None,
     max_pending: int | None = None,
     adapter: ModelAdapter | None = None,
+    row_timeout: float | None = DEFAULT_ROW_TIMEOUT,
 ) -> Iterator[PreparedRow]:
     """`prepare_rows` over a pool of worker processes; rows come out in completion order.
 
     `num_workers` defaults to `default_num_workers()`; 0 prepares in this thread (in order)
     with `adapter` (the caller's loaded one) or, failing that, one loaded from `adapter_spec`.
     `max_pending` bounds the rows read from `source` and not yet yielded (default 4 per worker).
+    A row still being prepared after `row_timeout` seconds fails with `media_timeout`.
     """
     from vlmbatch.job.prepare import prepare_rows
 
@@ -393,5 +432,5 @@ def prepare_rows_parallel(
         return
     preparation = RowPreparation(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {},
                                  manifest.columns, defaults)
-    with ProcessPool(_row_preparer, preparation, _failed_row, workers, max_pending) as pool:
+    with ProcessPool(_row_preparer, preparation, _failed_row, workers, max_pending, task_timeout=row_timeout) as pool:
         yield from pool.imap_unordered(source)
