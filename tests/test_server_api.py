@@ -399,3 +399,17 @@ def test_a_client_that_disconnects_stops_its_generation(server: ServerProcess) -
         time.sleep(0.05)
     cpu_spent_after_a = _cpu_seconds(server) - cpu_after_a
     assert cpu_spent_after_a < 0.5 * (cpu_after_a - cpu_before_a), (cpu_spent_after_a, cpu_after_a - cpu_before_a)
+
+
+@pytest.mark.skipif(not ffmpeg_available(), reason="needs ffmpeg to make the test video")
+def test_video_failures_name_their_part(server: ServerProcess, media: MediaServer, media_root: Path) -> None:
+    attempts = {
+        (media_root / "h264_mp4.mp4").as_uri(): "media_forbidden",  # outside the allowed folder
+        media.url("/missing", host="localhost"): "media_not_found",
+        media.url("/files/h264_mp4.mp4"): "media_forbidden",  # 127.0.0.1 is not an allowed domain
+    }
+    for url, code in attempts.items():
+        video = {"type": "video_url", "video_url": {"url": url}}
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, video]}], "max_tokens": 2}
+        error = _error(_post(server, body), 400)
+        assert (error["code"], error["param"]) == (code, "messages[0].content[1].video_url"), url

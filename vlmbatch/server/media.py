@@ -60,7 +60,9 @@ class ServerMedia:
             fetch=FetchPolicy(timeout=config.image_fetch_timeout(), **fetch),
             max_pixels=settings.max_image_pixels,
         )
-        self._video_ctx = VideoContext(allowed_local_path=local, fetch_policy=FetchPolicy.for_videos(**fetch))
+        self._video_ctx = VideoContext(
+            allowed_local_path=local, allow_local_files=local is not None, fetch_policy=FetchPolicy.for_videos(**fetch)
+        )
         unknown = set(settings.media_io_kwargs) - {"video"}
         if unknown:
             raise ValueError(f"--media-io-kwargs: unknown media kind(s) {sorted(unknown)}; only 'video' takes options")
