@@ -79,3 +79,21 @@ def test_resume_retry_errors_reruns_only_the_failed_rows(
     assert after[3]["error_type"] is None and after[25]["error_type"] is None
     assert after[3]["attempt"] == 2 and after[0]["attempt"] == 1  # only the failed rows ran again
     assert after[0]["generated_text"] == before[0]["generated_text"]
+
+
+def test_failed_shards_fail_the_job_until_resumed(
+    tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
+) -> None:
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 40)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=20)
+    dataset.rename(tmp_path / "away.jsonl")  # the shared folder lost the input: no shard can run
+    start_worker(tiny_qwen, redis_server.url)
+
+    failed = qh.wait_state(job_dir, redis_server.url, {"failed"}, timeout=120)
+    assert failed.shards["failed"] == 2 and len(failed.errors) == 2
+    assert cli("wait", str(job_dir)).returncode == 1
+
+    (tmp_path / "away.jsonl").rename(dataset)
+    assert cli("resume", str(job_dir)).returncode == 0
+    qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=120)
+    qh.assert_job_completed(job_dir, redis_server.url)

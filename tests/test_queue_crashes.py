@@ -36,7 +36,9 @@ Image.open = _open_or_die
 
 
 def test_kill9_of_random_workers_five_times(tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path) -> None:
-    dataset = qh.write_rows(tmp_path / "rows.jsonl", 2000)
+    image = tmp_path / "image.png"
+    Image.new("RGB", (32, 32), "white").save(image)
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 2000, image=image)  # long enough for five kills
     workers = [start_worker(tiny_qwen, redis_server.url) for _ in range(3)]
     manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=100)
     kills = 0

@@ -24,10 +24,10 @@ def attempts(broker: str, job_id: str, shard_id: int) -> int:
 def test_two_copies_of_a_shard_at_once_run_it_once(
     tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
 ) -> None:
-    dataset = qh.write_rows(tmp_path / "rows.jsonl", 60)
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 600)  # seconds of work: the copies overlap
     workers = [start_worker(tiny_qwen, redis_server.url) for _ in range(2)]
     qh.wait_for(lambda: all(w.ready_count() for w in workers), 120, "both workers to consume")
-    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=60)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=600)
     enqueue_job(manifest, job_dir, redis_server.url)  # the same shard again, while the first copy starts
 
     qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=120)
@@ -41,11 +41,11 @@ def test_two_copies_of_a_shard_at_once_run_it_once(
 def test_shard_longer_than_the_visibility_timeout_runs_once(
     tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
 ) -> None:
-    dataset = qh.write_rows(tmp_path / "rows.jsonl", 600)
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 2000)
     env = {"VLMBATCH_QUEUE_VISIBILITY_TIMEOUT": "1.5"}  # the shard takes several of these
     workers = [start_worker(tiny_qwen, redis_server.url, env=env) for _ in range(2)]
     qh.wait_for(lambda: all(w.ready_count() for w in workers), 120, "both workers to consume")
-    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=600)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=2000)
 
     qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=150)
     qh.assert_job_completed(job_dir, redis_server.url)

@@ -27,9 +27,9 @@ SIGNALS = {
 def test_shutdown_mid_shard_requeues_the_shard(
     how: str, tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
 ) -> None:
-    dataset = qh.write_rows(tmp_path / "rows.jsonl", 240)
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 1200)  # shards of seconds: the signal lands early
     workers = [start_worker(tiny_qwen, redis_server.url) for _ in range(2)]
-    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=80)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=600)
     holders = qh.wait_for(lambda: qh.running_shards(job_dir, redis_server.url), 120, "a running shard")
     shard_id, holder = next(iter(holders.items()))
     victim = next(w for w in workers if w.child() is not None and w.child().pid == pid_of(holder))

@@ -43,6 +43,14 @@ def gpu_slots(gpus: str | None) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] or ["cpu"]
 
 
+def pinned_env(slot: str) -> dict[str, str]:
+    """This process's environment, with CUDA showing the child only its own GPU."""
+    env = dict(os.environ)
+    if slot != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = slot
+    return env
+
+
 @dataclass
 class Child:
     slot: str
@@ -72,10 +80,7 @@ class Supervisor:
         return cmd + (["--dry-run"] if self.dry_run else [])
 
     def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:
-        env = dict(os.environ)
-        if slot != "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = slot
-        process = subprocess.Popen(self.command(slot), env=env, start_new_session=True)
+        process = subprocess.Popen(self.command(slot), env=pinned_env(slot), start_new_session=True)
         self.children[slot] = Child(slot, process, time.monotonic(), delay)
         log.info("worker process %d started on slot %s", process.pid, slot)
 
