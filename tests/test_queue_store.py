@@ -7,7 +7,7 @@ import sys
 import time
 
 import queue_harness as qh
-from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
+from queue_harness import redis_server  # noqa: F401  (fixture)
 
 from vlmbatch.workers.lease import UNACKED_INDEX_KEY, ShardLease
 from vlmbatch.workers.store import JobStore, RowRange
