@@ -15,7 +15,7 @@ import pytest
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video import load_video, parse_video_options
 from vlmbatch.media.video.probe import probe_stream
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 from vlmbatch.testing.videos import decode_every_frame, ffmpeg_available, make_video_set
 
 pytestmark = pytest.mark.skipif(not ffmpeg_available(), reason="needs the ffmpeg command line to make test videos")
@@ -102,7 +102,7 @@ def test_damaged_packets_do_not_fail_the_row(videos, reference, backend):
     expected = reference("corrupt_mp4")
     damaged = [i for i, frame in enumerate(expected) if frame is None]
     assert damaged, "the test file should contain a packet the decoder rejects"
-    index = probe_stream(VideoSource(name="corrupt", path=str(videos["corrupt_mp4"])))
+    index = probe_stream(MediaSource(name="corrupt", path=str(videos["corrupt_mp4"])))
     bad_gops = {index.keyframe_before(i) for i in damaged}
     for sampling in ({}, {"num_frames": 44}):
         result = load_video(videos["corrupt_mp4"], parse_video_options({"backend": backend, **sampling}))
@@ -141,7 +141,7 @@ def test_opencv_packet_probe_agrees_with_pyav(videos):
     from vlmbatch.media.video.probe import _probe_with_opencv, _probe_with_pyav
 
     for kind in DECODABLE:
-        source = VideoSource(name=kind, path=str(videos[kind]))
+        source = MediaSource(name=kind, path=str(videos[kind]))
         by_opencv, by_pyav = _probe_with_opencv(source), _probe_with_pyav(source)
         assert by_opencv.keyframes == by_pyav.keyframes, kind
         assert np.allclose(by_opencv.timestamps, by_pyav.timestamps, atol=1e-3), kind

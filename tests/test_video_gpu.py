@@ -17,7 +17,7 @@ from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video import load_video, parse_video_options
 from vlmbatch.media.video.gpu import ProcessResource, display_rotation, nv12_to_rgb, rotate_frame
 from vlmbatch.media.video.pynvvideocodec_backend import stream_colour
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 from vlmbatch.testing.videos import ffmpeg_available, make_video
 
 pytestmark = pytest.mark.skipif(not ffmpeg_available(), reason="needs the ffmpeg command line to make test videos")
@@ -43,7 +43,7 @@ def first_frame_planes(path: Path) -> tuple[np.ndarray, np.ndarray]:
     "kind, expected_colour", [("h264_mp4", ("bt601", False)), ("bt709_mp4", ("bt709", False)), ("full_range_mp4", ("bt601", True))]
 )
 def test_nv12_conversion_matches_ffmpeg(clips, kind, expected_colour):
-    source = VideoSource(name=kind, path=str(clips[kind]))
+    source = MediaSource(name=kind, path=str(clips[kind]))
     assert stream_colour(source) == expected_colour
     rgb, nv12 = first_frame_planes(clips[kind])
     ours = nv12_to_rgb(torch.from_numpy(nv12), *expected_colour).numpy()
@@ -58,8 +58,8 @@ def test_bt709_on_an_untagged_stream_is_the_measured_nvdec_mismatch(clips):
 
 
 def test_display_rotation_and_device_rotation(clips):
-    assert display_rotation(VideoSource(name="r", path=str(clips["rotated_mp4"]))) == 90
-    assert display_rotation(VideoSource(name="p", path=str(clips["h264_mp4"]))) == 0
+    assert display_rotation(MediaSource(name="r", path=str(clips["rotated_mp4"]))) == 90
+    assert display_rotation(MediaSource(name="p", path=str(clips["h264_mp4"]))) == 0
     frame = torch.arange(2 * 3 * 3, dtype=torch.uint8).reshape(2, 3, 3)
     assert torch.equal(rotate_frame(frame, 90), torch.from_numpy(np.rot90(frame.numpy()).copy()))
     assert rotate_frame(frame, 0) is frame

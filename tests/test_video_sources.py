@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.media.video import VideoContext, load_video, parse_video_options
+from vlmbatch.media.refs import MediaContext
+from vlmbatch.media.video import load_video, parse_video_options
 from vlmbatch.testing.videos import ffmpeg_available, make_video
 
 pytestmark = pytest.mark.skipif(not ffmpeg_available(), reason="needs the ffmpeg command line to make test videos")
@@ -73,7 +74,7 @@ def test_all_reference_forms_give_the_same_frames(clip: Path, server: str):
 
 
 def test_relative_paths_resolve_against_the_base_dir(clip: Path):
-    result = load_video(clip.name, OPTIONS, VideoContext(base_dir=str(clip.parent)))
+    result = load_video(clip.name, OPTIONS, MediaContext(base_dir=str(clip.parent)))
     assert result.num_frames == 4
 
 
@@ -87,7 +88,7 @@ def test_local_paths_stay_inside_the_allowed_folder(clip: Path, tmp_path: Path):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "link.mp4").symlink_to(clip)
-    ctx = VideoContext(base_dir=str(allowed), allowed_local_path=str(allowed))
+    ctx = MediaContext(base_dir=str(allowed), allowed_local_path=str(allowed))
     for ref in ["link.mp4", f"../{clip.name}", str(clip)]:
         with pytest.raises(RowError) as caught:
             load_video(ref, OPTIONS, ctx)
@@ -97,7 +98,7 @@ def test_local_paths_stay_inside_the_allowed_folder(clip: Path, tmp_path: Path):
 
 
 def test_local_files_can_be_refused_altogether(clip: Path):
-    ctx = VideoContext(allow_local_files=False)
+    ctx = MediaContext(allow_local_files=False)
     for ref in [str(clip), f"file://{clip}", {"bytes": None, "path": str(clip)}]:
         with pytest.raises(RowError) as caught:
             load_video(ref, OPTIONS, ctx)
@@ -120,8 +121,8 @@ def test_http_errors_and_the_video_fetch_timeout(server: str, monkeypatch: pytes
 @pytest.mark.parametrize(
     "ref, error_type",
     [
-        ("data:video/mp4,not-base64", ErrorType.INVALID_ROW),
-        ("data:video/mp4;base64,@@@", ErrorType.INVALID_ROW),
+        ("data:video/mp4,not-base64", ErrorType.MEDIA_DECODE),
+        ("data:video/mp4;base64,@@@", ErrorType.MEDIA_DECODE),
         ({"path": None, "bytes": None}, ErrorType.INVALID_ROW),
         (12, ErrorType.INVALID_ROW),
         (b"", ErrorType.MEDIA_DECODE),

@@ -8,44 +8,22 @@ The pixel limit is enforced from the header, before any pixel is decoded (PIL's
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
-import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
-from urllib.parse import unquote, unquote_to_bytes, urlparse
 
 from PIL import Image, ImageOps
 
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.media.fetch import FetchPolicy, fetch_bytes
+from vlmbatch.media.refs import MediaContext, resolve_media
 
-DEFAULT_MAX_PIXELS = 64_000_000
 WHITE = (255, 255, 255, 255)
 ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
-
-
-@dataclass(frozen=True)
-class MediaContext:
-    """Where an image may come from and how big it may be.
-
-    Batch jobs set `base_dir` to the dataset's folder (relative paths resolve there)
-    and allow any local path. The server sets `allow_local_files=False`, or an
-    `allowed_local_path` folder that resolved paths (after `..` and symlinks) must stay
-    inside, and a fetch policy with `allow_private=False`.
-    """
-
-    base_dir: str | Path | None = None
-    allowed_local_path: str | Path | None = None
-    allow_local_files: bool = True
-    fetch: FetchPolicy = field(default_factory=FetchPolicy)
-    max_pixels: int = DEFAULT_MAX_PIXELS
 
 
 def load_image(ref: Any, ctx: MediaContext | None = None, param: str = "image") -> Image.Image:
@@ -106,60 +84,8 @@ def content_hash(image: Image.Image) -> str:
 
 def _open_source(ref: Any, ctx: MediaContext, param: str) -> tuple[Path | BinaryIO, str]:
     """Where the encoded bytes are: a checked local path or an in-memory buffer."""
-    if isinstance(ref, os.PathLike):
-        return _local_path(os.fspath(ref), ctx, param), os.fspath(ref)
-    if isinstance(ref, (bytes, bytearray, memoryview)):
-        return io.BytesIO(bytes(ref)), "<bytes>"
-    if isinstance(ref, Mapping):
-        if ref.get("bytes"):
-            return io.BytesIO(bytes(ref["bytes"])), str(ref.get("path") or "<bytes>")
-        if ref.get("path"):
-            return _open_source(str(ref["path"]), ctx, param)
-        raise RowError(ErrorType.INVALID_ROW, "image struct has neither 'bytes' nor 'path'", param)
-    if not isinstance(ref, str) or not ref.strip():
-        raise RowError(ErrorType.INVALID_ROW, f"image must be a path, URL or bytes, got {type(ref).__name__}", param)
-    scheme = urlparse(ref).scheme.lower()
-    if scheme in ("http", "https"):
-        try:
-            return io.BytesIO(fetch_bytes(ref, ctx.fetch)), ref
-        except RowError as error:
-            raise RowError(error.error_type, error.message, param) from error
-    if scheme == "data":
-        return io.BytesIO(_data_url_bytes(ref, param)), "<data URL>"
-    if scheme == "file":
-        return _local_path(unquote(urlparse(ref).path), ctx, param), ref
-    if "://" in ref:
-        raise RowError(ErrorType.MEDIA_FORBIDDEN, f"unsupported URL scheme {scheme!r} for an image", param)
-    return _local_path(ref, ctx, param), ref
-
-
-def _local_path(text: str, ctx: MediaContext, param: str) -> Path:
-    if not ctx.allow_local_files:
-        raise RowError(ErrorType.MEDIA_FORBIDDEN, "local image files are not allowed here", param)
-    path = Path(text)
-    if not path.is_absolute() and ctx.base_dir is not None:
-        path = Path(ctx.base_dir) / path
-    resolved = path.resolve()  # normalises `..` and follows symlinks before the containment check
-    if ctx.allowed_local_path is not None and not resolved.is_relative_to(Path(ctx.allowed_local_path).resolve()):
-        raise RowError(ErrorType.MEDIA_FORBIDDEN, f"image path {text} is outside the allowed folder", param)
-    if not resolved.is_file():
-        raise RowError(ErrorType.MEDIA_NOT_FOUND, f"image file not found: {text}", param)
-    return resolved
-
-
-def _data_url_bytes(url: str, param: str) -> bytes:
-    header, comma, payload = url.partition(",")
-    if not comma:
-        raise RowError(ErrorType.MEDIA_DECODE, "malformed data: URL (no comma)", param)
-    media_type = header[len("data:") :].split(";")[0].strip().lower() or "text/plain"
-    if not media_type.startswith("image/"):
-        raise RowError(ErrorType.MEDIA_DECODE, f"data: URL holds {media_type}, not an image", param)
-    if not header.lower().endswith(";base64"):
-        return unquote_to_bytes(payload)
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RowError(ErrorType.MEDIA_DECODE, f"data: URL is not valid base64 ({exc})", param) from exc
+    source = resolve_media(ref, ctx, "image", param)
+    return (Path(source.path) if source.path else io.BytesIO(source.data)), source.name
 
 
 def _check_pixels(size: tuple[int, int], ctx: MediaContext, name: str, param: str) -> None:

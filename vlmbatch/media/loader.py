@@ -12,7 +12,8 @@ from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.fetch import FetchPolicy
-from vlmbatch.media.image import DEFAULT_MAX_PIXELS, ImageSize, MediaContext, load_image, probe_image
+from vlmbatch.media.image import ImageSize, load_image, probe_image
+from vlmbatch.media.refs import DEFAULT_MAX_PIXELS, MediaContext
 from vlmbatch.media.types import VideoFrames
 
 IMAGE_OPTIONS = {"max_pixels"}
@@ -36,7 +37,7 @@ class MediaLoader:
         allow_private: bool = True,
         allowed_domains: tuple[str, ...] | None = None,
     ):
-        from vlmbatch.media.video import VideoContext, parse_video_options
+        from vlmbatch.media.video import parse_video_options
 
         media_io_kwargs = media_io_kwargs or {}
         image_options = dict(media_io_kwargs.get("image") or {})
@@ -51,10 +52,11 @@ class MediaLoader:
             max_pixels=int(image_options.get("max_pixels", DEFAULT_MAX_PIXELS)),
         )
         self.video_options = parse_video_options(media_io_kwargs.get("video"))
-        self.video_context = VideoContext(
-            base_dir=None if base_dir is None else str(base_dir),
-            allowed_local_path=None if allowed_local_path is None else str(allowed_local_path),
-            fetch_policy=FetchPolicy.for_videos(allow_private=allow_private, allowed_domains=allowed_domains),
+        self.video_context = MediaContext(
+            base_dir=base_dir,
+            allowed_local_path=allowed_local_path,
+            allow_local_files=allow_local_files,
+            fetch=FetchPolicy.for_videos(allow_private=allow_private, allowed_domains=allowed_domains),
         )
 
     def image(self, ref: Any, param: str = "image") -> Any:

@@ -19,7 +19,7 @@ from vlmbatch import config
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.fetch import FetchPolicy
 from vlmbatch.media.image import MediaContext, load_image
-from vlmbatch.media.video import VideoContext, load_video, override_video_options, parse_video_options
+from vlmbatch.media.video import load_video, override_video_options, parse_video_options
 from vlmbatch.server.settings import ServerSettings
 
 # What a request may change for its own videos: how many frames, not which decoder or
@@ -60,8 +60,8 @@ class ServerMedia:
             fetch=FetchPolicy(timeout=config.image_fetch_timeout(), **fetch),
             max_pixels=settings.max_image_pixels,
         )
-        self._video_ctx = VideoContext(
-            allowed_local_path=local, allow_local_files=local is not None, fetch_policy=FetchPolicy.for_videos(**fetch)
+        self._video_ctx = MediaContext(
+            allowed_local_path=local, allow_local_files=local is not None, fetch=FetchPolicy.for_videos(**fetch)
         )
         unknown = set(settings.media_io_kwargs) - {"video"}
         if unknown:

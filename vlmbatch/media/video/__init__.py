@@ -17,14 +17,13 @@ from vlmbatch.media.video.base import VideoBackend
 from vlmbatch.media.video.options import VideoOptions, default_video_options, override_video_options, parse_video_options
 from vlmbatch.media.video.resize import resize_frames
 from vlmbatch.media.video.sampling import QWEN2_5_VL, FrameConvention, plan_frames
-from vlmbatch.media.video.source import VideoContext, VideoSource, resolve_video_source
+from vlmbatch.media.fetch import FetchPolicy
+from vlmbatch.media.refs import MediaContext, resolve_media
 
 __all__ = [
     "FrameConvention",
     "QWEN2_5_VL",
-    "VideoContext",
     "VideoOptions",
-    "VideoSource",
     "default_video_options",
     "ensure_backend_available",
     "get_backend",
@@ -87,7 +86,7 @@ def get_backend(name: str) -> VideoBackend:
 def load_video(
     ref: Any,
     options: VideoOptions | None = None,
-    ctx: VideoContext | None = None,
+    ctx: MediaContext | None = None,
     convention: FrameConvention = QWEN2_5_VL,
 ) -> VideoFrames:
     """Decode the frames the sampler picks from the video `ref` points to.
@@ -96,7 +95,7 @@ def load_video(
     errors for URLs, MEDIA_DECODE for files with no decodable video stream.
     """
     options = options or default_video_options()
-    source = resolve_video_source(ref, ctx)
+    source = resolve_media(ref, ctx or MediaContext(fetch=FetchPolicy.for_videos()), "video", "video")
     backend = get_backend(options.backend)
     index = backend.probe(source)
     plan = plan_frames(index.timestamps, options, convention)

@@ -14,13 +14,13 @@ from typing import Any, ClassVar
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video.options import VideoOptions
 from vlmbatch.media.video.probe import StreamIndex, probe_stream
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 
 class VideoBackend(ABC):
     name: ClassVar[str]
 
-    def probe(self, source: VideoSource) -> StreamIndex:
+    def probe(self, source: MediaSource) -> StreamIndex:
         return probe_stream(source)
 
     def reserve(self, options: VideoOptions) -> Any:
@@ -28,7 +28,7 @@ class VideoBackend(ABC):
         return None
 
     @abstractmethod
-    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+    def decode(self, source: MediaSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         """Frames for each of `wanted` (sorted, distinct indices into `index`), keyed by index."""
 
     def stack(self, frames: list[Any]) -> Any:

@@ -21,7 +21,7 @@ from typing import TypeVar
 from vlmbatch.media.video import load_video, parse_video_options
 from vlmbatch.media.video.probe import probe_stream
 from vlmbatch.media.video.sampling import plan_frames
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 T = TypeVar("T")
 
@@ -64,7 +64,7 @@ def make_bench_clip(directory: Path, label: str, seconds: int, width: int, heigh
 
 
 def sampled_indices(path: Path, frames: int) -> list[int]:
-    index = probe_stream(VideoSource(name=path.name, path=str(path)))
+    index = probe_stream(MediaSource(name=path.name, path=str(path)))
     return plan_frames(index.timestamps, parse_video_options({"num_frames": frames})).indices
 
 

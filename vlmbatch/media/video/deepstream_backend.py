@@ -21,7 +21,7 @@ from vlmbatch.media.video.base import fill_missing
 from vlmbatch.media.video.gpu import DeviceFramesBackend, ProcessResource, display_rotation, rotate_frame
 from vlmbatch.media.video.options import VideoOptions
 from vlmbatch.media.video.probe import StreamIndex
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 DECODE_TIMEOUT_S = 120.0
 
@@ -41,7 +41,7 @@ class DeepStreamBackend(DeviceFramesBackend):
     def reserve(self, options: VideoOptions) -> Any:
         return DECODE_POOL.get(options.pool_size, _build_pool)
 
-    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+    def decode(self, source: MediaSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         pool = self.reserve(options)
         data = source.data if source.data is not None else Path(source.path).read_bytes()
         result = pool.decode(data, target_indices=list(wanted), max_frames=len(wanted), timeout_sec=DECODE_TIMEOUT_S)

@@ -20,11 +20,11 @@ from vlmbatch.media.video.base import VideoBackend, walk_frames
 from vlmbatch.media.video.options import VideoOptions
 from vlmbatch.media.video.probe import StreamIndex
 from vlmbatch.media.video.sampling import nearest_frame
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 
 @contextmanager
-def open_capture(source: VideoSource, raw_packets: bool = False) -> Iterator[Any]:
+def open_capture(source: MediaSource, raw_packets: bool = False) -> Iterator[Any]:
     """A `cv2.VideoCapture` on a path or on bytes, released on exit.
 
     `raw_packets` makes `grab()` only demux (no decoding): timestamps and
@@ -51,7 +51,7 @@ _SEEK_MARGIN = 16  # OpenCV's seek to frame n starts at the keyframe before n - 
 class OpenCVBackend(VideoBackend):
     name = "opencv"
 
-    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+    def decode(self, source: MediaSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         import cv2
 
         with open_capture(source) as capture:

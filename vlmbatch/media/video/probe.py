@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,11 @@ class StreamIndex:
         return start
 
 
-def no_frames(source: VideoSource) -> RowError:
+def no_frames(source: MediaSource) -> RowError:
     return RowError(ErrorType.MEDIA_DECODE, f"video {source.name} has no decodable video frames")
 
 
-def probe_stream(source: VideoSource) -> StreamIndex:
+def probe_stream(source: MediaSource) -> StreamIndex:
     """Index the first video stream of `source` (PyAV demux, else OpenCV)."""
     try:
         import av  # noqa: F401
@@ -61,7 +61,7 @@ def probe_stream(source: VideoSource) -> StreamIndex:
     return _probe_with_pyav(source)
 
 
-def open_container(source: VideoSource) -> Any:
+def open_container(source: MediaSource) -> Any:
     """A PyAV container on a path or bytes; unreadable input is the row's decode error."""
     import av
 
@@ -71,7 +71,7 @@ def open_container(source: VideoSource) -> Any:
         raise RowError(ErrorType.MEDIA_DECODE, f"cannot open video {source.name}: {exc}") from exc
 
 
-def _probe_with_pyav(source: VideoSource) -> StreamIndex:
+def _probe_with_pyav(source: MediaSource) -> StreamIndex:
     import av
 
     with open_container(source) as container:
@@ -97,7 +97,7 @@ def _probe_with_pyav(source: VideoSource) -> StreamIndex:
         )
 
 
-def _probe_with_opencv(source: VideoSource) -> StreamIndex:
+def _probe_with_opencv(source: MediaSource) -> StreamIndex:
     import cv2
 
     from vlmbatch.media.video.opencv_backend import grab_loop, open_capture

@@ -15,7 +15,7 @@ from vlmbatch.media.video.base import VideoBackend, walk_frames
 from vlmbatch.media.video.options import VideoOptions
 from vlmbatch.media.video.probe import StreamIndex, open_container
 from vlmbatch.media.video.sampling import nearest_frame
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 
 def rotate_to_display(frame: np.ndarray, rotation: int) -> np.ndarray:
@@ -27,7 +27,7 @@ def rotate_to_display(frame: np.ndarray, rotation: int) -> np.ndarray:
 class PyAVBackend(VideoBackend):
     name = "pyav"
 
-    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+    def decode(self, source: MediaSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         with open_container(source) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"

@@ -24,7 +24,7 @@ from vlmbatch.media.video.base import fill_missing
 from vlmbatch.media.video.gpu import DeviceFramesBackend, ProcessResource, display_rotation, nv12_to_rgb, rotate_frame
 from vlmbatch.media.video.options import VideoOptions
 from vlmbatch.media.video.probe import StreamIndex, open_container
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 
 class DecoderSlots:
@@ -36,7 +36,7 @@ class DecoderSlots:
         self._lock = threading.Lock()
 
     @contextmanager
-    def decoder_for(self, source: VideoSource, gpu_id: int) -> Iterator[Any]:
+    def decoder_for(self, source: MediaSource, gpu_id: int) -> Iterator[Any]:
         import PyNvVideoCodec as nvc
 
         with self._free:
@@ -62,7 +62,7 @@ UNTAGGED = ("bt601", False)  # FFmpeg's reading of a stream that does not say
 _SLOTS: ProcessResource[DecoderSlots] = ProcessResource("hw_decoders", strict=True)
 
 
-def stream_colour(source: VideoSource) -> tuple[str, bool]:
+def stream_colour(source: MediaSource) -> tuple[str, bool]:
     """(matrix, full_range) as FFmpeg reads them from the stream's tags.
 
     PyAV reports them when installed; otherwise PyNvVideoCodec's demuxer does
@@ -78,7 +78,7 @@ def stream_colour(source: VideoSource) -> tuple[str, bool]:
         return ("bt709" if context.colorspace == 1 else "bt601"), bool(full)
 
 
-def _colour_from_nvdemuxer(source: VideoSource) -> tuple[str, bool]:
+def _colour_from_nvdemuxer(source: MediaSource) -> tuple[str, bool]:
     if source.path is None:
         return UNTAGGED
     import PyNvVideoCodec as nvc
@@ -98,7 +98,7 @@ class PyNvVideoCodecBackend(DeviceFramesBackend):
     def reserve(self, options: VideoOptions) -> DecoderSlots:
         return _SLOTS.get(options.hw_decoders, DecoderSlots)
 
-    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+    def decode(self, source: MediaSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         import torch
 
         slots = self.reserve(options)

@@ -19,13 +19,13 @@ from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video.base import VideoBackend, fill_missing
 from vlmbatch.media.video.options import VideoOptions
 from vlmbatch.media.video.probe import StreamIndex
-from vlmbatch.media.video.source import VideoSource
+from vlmbatch.media.refs import MediaSource
 
 
 class TorchCodecBackend(VideoBackend):
     name = "torchcodec"
 
-    def decode(self, source: VideoSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
+    def decode(self, source: MediaSource, index: StreamIndex, wanted: Sequence[int], options: VideoOptions) -> dict[int, Any]:
         from torchcodec.decoders import VideoDecoder
 
         def open_decoder() -> Any:
