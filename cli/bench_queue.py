@@ -33,9 +33,7 @@ def _in_process(dataset: Path, model: str, output: Path, shard_size: int) -> flo
     from vlmbatch import job as jobs
 
     manifest, job_dir = jobs.plan_job(dataset, model, output, shard_size=shard_size)
-    started = time.perf_counter()
-    jobs.run_job_locally(manifest, job_dir, None, show_progress=False)
-    return manifest.num_rows / (time.perf_counter() - started)
+    return manifest.num_rows / jobs.run_job_locally(manifest, job_dir, None, show_progress=False)
 
 
 def _through_queue(dataset: Path, model: str, output: Path, shard_size: int, broker: str, workers: list[Any]) -> dict[str, Any]:

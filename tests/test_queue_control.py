@@ -11,6 +11,7 @@ from PIL import Image
 import queue_harness as qh
 from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
 
+from vlmbatch.io.manifest import Manifest
 from vlmbatch.job.queue import cancel_job, committed_shards, job_status
 from vlmbatch.workers.local import VLMBATCH
 from vlmbatch.workers.runtime import pid_of
@@ -49,11 +50,16 @@ def test_two_models_on_one_broker_go_to_their_own_workers(
     qwen_worker = start_worker(tiny_qwen, redis_server.url)
     llava_worker = start_worker(tiny_llava, redis_server.url)
     dataset = qh.write_rows(tmp_path / "rows.jsonl", 40)
-    jobs = {
-        qwen_worker: qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=10),
-        llava_worker: qh.submit(dataset, tiny_llava, tmp_path / "out", redis_server.url, shard_size=10),
-    }
-    for worker, (manifest, job_dir) in jobs.items():
+    output = tmp_path / "out"
+    submitted = cli(
+        "submit", str(dataset), "--model", str(tiny_llava), "--broker", redis_server.url,
+        "--output", str(output), "--shard-size", "10", "--max-tokens", "2",
+    )  # the command itself: it queues, prints the job id and returns
+    assert submitted.returncode == 0, submitted.stderr
+    llava_dir = output / submitted.stdout.split()[0]
+    jobs = {qwen_worker: qh.submit(dataset, tiny_qwen, output, redis_server.url, shard_size=10)[1], llava_worker: llava_dir}
+    for worker, job_dir in jobs.items():
+        manifest = Manifest.load(job_dir)
         qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=150)
         qh.assert_job_completed(job_dir, redis_server.url)
         ran_on = {pid_of(s["worker"]) for s in JobStore(connect(redis_server.url), manifest.job_id).shard_states().values()}
