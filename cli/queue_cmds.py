@@ -27,7 +27,7 @@ def _job(job: str, output: Path, broker: str | None) -> tuple[Path, str]:
 def worker(
     model: str = ModelOption,
     broker: Optional[str] = BrokerOption,
-    gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each: all, or a list such as 0,1."),
+    gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each: all, a list such as 0,1, or cpu (one CPU process)."),
     engine: str = EngineOption,
     dtype: str = DtypeOption,
     dry_run: bool = typer.Option(False, "--dry-run", hidden=True, help="Validate rows without a model (queue benchmark)."),

@@ -32,7 +32,7 @@ HEALTHY_AFTER = 60.0
 
 
 def gpu_slots(gpus: str | None) -> list[str]:
-    """`all` (or nothing) → every visible GPU, `0,1` → those; no GPU at all → `["cpu"]`."""
+    """`all` (or nothing) → every visible GPU, `0,1` → those, `cpu` or no GPU at all → `["cpu"]`."""
     if gpus not in (None, "", "all"):
         return [g.strip() for g in gpus.split(",") if g.strip()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
