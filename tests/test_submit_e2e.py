@@ -118,7 +118,7 @@ def test_jsonl_job_accounts_for_every_row_including_bad_ones(tiny_qwen: Path, tm
     dataset.write_bytes(b"\n".join(lines) + b"\n")
     output = tmp_path / "out"
     proc = vlmbatch("submit", str(dataset), "--model", str(tiny_qwen), "--output", str(output),
-                    "--engine", "hf", "--max-tokens", "4", "--shard-size", "5")
+                    "--engine", "paged", "--max-tokens", "4", "--shard-size", "5")
     job_dir = job_dir_from(proc, output)
     table = check_results(job_dir, [e for _, e in rows] + ["invalid_row"])
     assert len(list((job_dir / "results").glob("*.parquet"))) == 3

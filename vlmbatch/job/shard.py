@@ -10,6 +10,7 @@ stops a running shard without committing a partial part.
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,7 +20,8 @@ from typing import Any
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.job.prepare import PreparedRow, prepare_rows
+from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+from vlmbatch.job.prepare import PreparedRow
 from vlmbatch.job.rows import RowRequest
 
 STOP_POLL_SECONDS = 0.5
@@ -142,7 +144,8 @@ def run_shard(
     source = _rows_in_range(reader.iter_shard(plan), row_range, only_rows)
     defaults = SamplingParams(**manifest.sampling)
     adapter = llm.adapter if llm is not None else None
-    prepared = prepare_rows(source, manifest, adapter, defaults)
+    spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
+    prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter)
 
     def record(row: dict[str, Any], ok: bool) -> None:
         outcome.rows.append(row)
@@ -155,20 +158,14 @@ def run_shard(
         if on_progress:
             on_progress(1 if ok else 0, 0 if ok else 1)
 
-    if llm is None:
-        for item in prepared:
-            if item.error is not None:
-                record(factory.failed(item, item.error), ok=False)
-            else:
-                record(factory.validated(item), ok=True)
-            if should_stop is not None and should_stop():
-                outcome.stopped = True
-                return outcome
-    else:
-        finished = _generate(llm, prepared, factory, record, should_stop, max_inflight)
-        if not finished:
-            outcome.stopped = True
-            return outcome
+    with closing(prepared):  # an early stop (cancel) shuts the preprocessing workers down
+        if llm is None:
+            finished = _validate_only(prepared, factory, record, should_stop)
+        else:
+            finished = _generate(llm, prepared, factory, record, should_stop, max_inflight)
+    if not finished:
+        outcome.stopped = True
+        return outcome
 
     outcome.rows.extend(kept)
     outcome.rows.sort(key=lambda r: r["row_id"])
@@ -188,6 +185,23 @@ def _rows_in_range(
             if only_rows is not None and row_id not in only_rows:
                 continue
             yield row_id, raw
+
+
+def _validate_only(
+    prepared: Iterator[PreparedRow],
+    factory: ResultRowFactory,
+    record: Callable[[dict[str, Any], bool], None],
+    should_stop: Callable[[], bool] | None,
+) -> bool:
+    """Rows without generation (queue benchmark): parse and media checks only."""
+    for item in prepared:
+        if item.error is not None:
+            record(factory.failed(item, item.error), False)
+        else:
+            record(factory.validated(item), True)
+        if should_stop is not None and should_stop():
+            return False
+    return True
 
 
 def _generate(
