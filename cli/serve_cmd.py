@@ -84,6 +84,7 @@ def serve(
 
     from vlmbatch.engine import create_engine
     from vlmbatch.errors import JobError
+    from vlmbatch.media.video import parse_video_options, prepare_video_backend
     from vlmbatch.models.registry import load_adapter
     from vlmbatch.server.app import create_app, require_chat_template
     from vlmbatch.server.settings import ServerSettings
@@ -104,11 +105,12 @@ def serve(
         max_image_pixels=max_image_pixels,
     )
     try:
+        prepare_video_backend(parse_video_options(settings.media_io_kwargs.get("video")))
         adapter = load_adapter(model, chat_template=settings.chat_template)
         require_chat_template(adapter)  # before the weights load: a refusal should be quick
         app = create_app(adapter, create_engine(engine, adapter, dtype=dtype, device=device), settings)
-    except JobError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+    except (JobError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 

@@ -6,13 +6,19 @@ CLI, the workers and tools that never load a model.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("vlmbatch")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 if TYPE_CHECKING:
     from vlmbatch.engine.llm import LLM
     from vlmbatch.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 _LAZY = {"LLM": "vlmbatch.engine.llm", "SamplingParams": "vlmbatch.engine.sampling_params"}
 

@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Coroutine
 from contextlib import asynccontextmanager
-from importlib.metadata import version
+from vlmbatch import __version__
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
@@ -113,7 +113,7 @@ def create_app(adapter: ModelAdapter, engine: Engine, settings: ServerSettings) 
             completions.close()
             media.close()
 
-    app = FastAPI(title="vlmbatch", version=version("vlmbatch"), lifespan=lifespan)
+    app = FastAPI(title="vlmbatch", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
@@ -128,7 +128,7 @@ def create_app(adapter: ModelAdapter, engine: Engine, settings: ServerSettings) 
 
     @app.get("/version")
     async def server_version() -> dict[str, str]:
-        return {"version": version("vlmbatch")}
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models() -> ModelList:
