@@ -23,10 +23,13 @@ from vlmbatch.errors import RowError
 from vlmbatch.media.image import MediaContext, load_image
 
 JPEG_MAGIC = b"\xff\xd8\xff"
-# How far the GPU path's processor outputs may be from the CPU path's: nvJPEG and
-# libjpeg-turbo round the IDCT differently by a level or two of 255, which normalising by
-# CLIP's std (~0.27) makes ~0.03; resampling spreads it a little.
-GPU_MAX_ABS_DIFF = 0.1
+# How far the GPU path's processor outputs may be from the CPU path's (normalised units,
+# i.e. divided by CLIP's std ~0.27). nvJPEG and libjpeg-turbo round the IDCT differently by
+# a level or two of 255 (~0.03 here), and upsample chroma differently, which at sharp colour
+# edges reaches ~20 levels: measured on the H200 (2026-11-30, 1080p JPEGs): mean 0.0077,
+# max 0.277. The mean is the meaningful bound; the max only guards against a wrong colour
+# conversion or orientation, which would be off by far more.
+GPU_MAX_ABS_DIFF = 0.35
 GPU_MEAN_ABS_DIFF = 0.01
 _EXIF_ORIENTATION = 0x0112
 
