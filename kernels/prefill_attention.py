@@ -22,10 +22,10 @@ from .attention_tile import LOG2_E, attend_paged_tile, check_paged_inputs
 class PrefillConfig:
     """Launch shape of the prefill kernel (tuned by `vlmbatch bench kernels`)."""
 
-    block_m: int = 128
-    block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @triton.jit

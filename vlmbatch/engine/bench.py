@@ -146,9 +146,11 @@ def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], worklo
     decode-step time is the median wall time of decode steps (each ends in a host copy
     of the sampled tokens, so it is synced)."""
     stats_before = asdict(engine.stats)
+    engine.time_phases = True
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         engine.add_request(f"{workload}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    queued_s = time.perf_counter() - start
     decode_times, generated = [], 0
     while engine.has_unfinished_requests():
         was_decode = engine.stats.num_decode_steps
@@ -159,6 +161,7 @@ def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], worklo
         generated += sum(1 for o in outputs if o.outputs)
     seconds = time.perf_counter() - start
     stats = {k: v - stats_before[k] for k, v in asdict(engine.stats).items()}  # this run's share of the counters
+    stats["add_request_s"] = queued_s
     return RunResult("paged", workload, len(prompts), seconds, generated,
                      1000 * statistics.median(decode_times) if decode_times else None, stats)
 
@@ -178,7 +181,10 @@ def hf_inputs(adapter, prompts: list[PreparedPrompt], device: torch.device, hf_m
 @torch.no_grad()
 def run_peer(hf_model, adapter, prompts: list[PreparedPrompt], lengths: list[int], batch_size: int, workload: str, device: torch.device) -> RunResult:
     """`generate()` over static batches; each batch runs to its longest request, and only
-    each request's own tokens count as output."""
+    each request's own tokens count as output. One short untimed batch first, so start-up
+    (kernel selection, allocator growth) is not charged to the rate."""
+    hf_model.generate(**hf_inputs(adapter, prompts[:2], device, hf_model), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    _sync(device)
     start = time.perf_counter()
     for at in range(0, len(prompts), batch_size):
         longest = max(lengths[at : at + batch_size])
@@ -311,8 +317,32 @@ def decode_roofline(engine, adapter, batch: int, ceilings: dict[str, float], ste
     nbytes, flops = decode_step_cost(engine.model.decoder, batch, context)
     bound_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
     measured_s = result.decode_step_ms / 1000
+    steps_run = max(1, result.extra["num_decode_steps"])
     return {"batch": batch, "context": context, "decode_step_ms": result.decode_step_ms, "roofline_ms": 1000 * bound_s,
-            "pct_of_roofline": 100 * bound_s / measured_s, "bytes": nbytes, "flops": flops}
+            "pct_of_roofline": 100 * bound_s / measured_s, "bytes": nbytes, "flops": flops,
+            "launch_ms": 1000 * result.extra["decode_launch_s"] / steps_run, "wait_ms": 1000 * result.extra["decode_wait_s"] / steps_run}
+
+
+def profile_decode(engine, adapter, batch: int, steps: int = 8, top: int = 12) -> list[dict[str, Any]]:
+    """The GPU kernels of `steps` decode steps at `batch` sequences, the costliest first
+    (CUDA-graph replays included): what to fuse or tune next."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = min(batch, engine.scheduler.max_num_seqs)
+    for i, prompt in enumerate(w1_prompts(adapter, batch, seed=10_000 + batch)):
+        engine.add_request(f"profile-{i}", prompt, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
+    while engine.stats.num_decode_steps == 0 or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    on_gpu = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    cost = (lambda e: e.device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in prof.key_averages() if cost(e) > 0), key=cost, reverse=True)
+    return [{"kernel": e.key[:90], "us_per_step": cost(e) / steps, "calls_per_step": e.count / steps} for e in events[:top]]
 
 
 # ---- the whole benchmark ----------------------------------------------------------------
@@ -329,6 +359,7 @@ class BenchOptions:
     decode_steps: int = 32
     decode_batches: tuple[int, ...] = (1, 64)
     extra_shapes: tuple[str, ...] = ("7b",)  # decode roofline only
+    profile_batches: tuple[int, ...] = ()  # decode batch sizes whose kernels are profiled (main shape)
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.85
@@ -340,9 +371,20 @@ def _row(r: RunResult) -> str:
     return f"{r.engine:18s} {r.workload:4s} {r.requests:6d} req {r.requests_per_s:9.2f} req/s {r.output_tokens_per_s:10.0f} out tok/s  decode step {step} ms"
 
 
+def _phase_row(r: RunResult) -> str:
+    """Where a paged run's wall time went (seconds; per-step milliseconds for decode)."""
+    x = r.extra
+    steps = max(1, x["num_decode_steps"])
+    return (f"  phases {r.workload}: add_request {x['add_request_s']:.2f} s, vision {x['vision_s']:.2f} s, "
+            f"prefill {x['prefill_launch_s']:.2f}+{x['prefill_wait_s']:.2f} s ({x['num_prefill_steps']} steps), "
+            f"decode {x['decode_launch_s']:.2f}+{x['decode_wait_s']:.2f} s ({steps} steps: "
+            f"{1000 * x['decode_launch_s'] / steps:.2f} ms launch + {1000 * x['decode_wait_s'] / steps:.2f} ms wait), "
+            f"host {x['host_s']:.2f} s ({1000 * x['host_s'] / max(1, x['num_steps']):.2f} ms/step)  [launch+wait]")
+
+
 def _roofline_row(shape: str, row: dict[str, float]) -> str:
     return (f"decode {shape} batch {row['batch']:4d}: {row['decode_step_ms']:.2f} ms/step, roofline {row['roofline_ms']:.2f} ms "
-            f"= {row['pct_of_roofline']:.0f}% of roofline")
+            f"= {row['pct_of_roofline']:.0f}% of roofline (launch {row['launch_ms']:.2f} + wait {row['wait_ms']:.2f} ms)")
 
 
 def _summary(results: list[RunResult]) -> dict[str, Any]:
@@ -410,12 +452,14 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         report["runs"].append(dict(asdict(result), requests_per_s=result.requests_per_s, output_tokens_per_s=result.output_tokens_per_s))
         report["summary"] = _summary(results)
         echo(_row(result))
+        if result.engine == "paged":
+            echo(_phase_row(result))
 
     with tempfile.TemporaryDirectory() as tmp:
         adapter, hf_model = real_model(options.model, dtype, device) if options.model else random_model(options.shape, Path(tmp), dtype, device)
         for workload in options.workloads:
             lengths, prompts = output_lengths(workload, options.peer_requests), w1_prompts(adapter, options.peer_requests)
-            for batch_size in options.peer_batches if workload == "w1" else [max(options.peer_batches)]:
+            for batch_size in options.peer_batches if workload == "w1" else sorted(options.peer_batches)[-1:]:
                 result = phases.run(f"peer-{workload}-b{batch_size}", run_peer, hf_model, adapter, prompts, lengths, batch_size, workload, device)
                 if result is not None:
                     record(result)
@@ -444,6 +488,13 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
                 if row is not None:
                     report["decode_roofline"].setdefault(shape, []).append(row)
                     echo(_roofline_row(shape, row))
+            for batch in options.profile_batches if shape == options.shape else ():
+                kernels = phases.run(f"profile-{shape}-b{batch}", profile_decode, engine, engine.adapter, batch)
+                if kernels is not None:
+                    report.setdefault("decode_kernels", {})[f"{shape}-b{batch}"] = kernels
+                    echo(f"decode {shape} batch {batch} kernels per step:")
+                    for k in kernels:
+                        echo(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f} calls  {k['kernel']}")
         del engine
         _free(device)
     report["ok"] = bool(correctness["backends"]) and all(e["ok"] for e in correctness["backends"].values())

@@ -8,6 +8,7 @@ admitted requests (vision tower, batched, cached by content) → one forward + s
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +40,17 @@ class EngineStats:
     num_encoded_media: int = 0
     num_encoder_cache_hits: int = 0
     num_generated_tokens: int = 0
+    # Wall seconds per phase (benchmarks read them to see where a run's time goes).
+    # `*_launch_s`: host time building inputs and launching the forward; `*_wait_s`:
+    # then waiting for the GPU (sampled tokens copied back); `vision_s` is synced only
+    # when `PagedEngine.time_phases` is on; `host_s`: scheduling, appending tokens,
+    # detokenising and building outputs.
+    vision_s: float = 0.0
+    prefill_launch_s: float = 0.0
+    prefill_wait_s: float = 0.0
+    decode_launch_s: float = 0.0
+    decode_wait_s: float = 0.0
+    host_s: float = 0.0
 
 
 class _Detokenizer:
@@ -98,6 +110,7 @@ class PagedEngine(Engine):
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.stats = EngineStats()
         self._arrivals = 0
+        self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
 
     @classmethod
     def is_supported(cls, adapter: ModelAdapter) -> bool:
@@ -164,11 +177,17 @@ class PagedEngine(Engine):
 
     # ---- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        scheduled = time.perf_counter()
         self._encode_media(batch)
+        if self.time_phases and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        encoded = time.perf_counter()
         seqs, tokens = self.runner.run(batch)
+        ran = time.perf_counter()
         self.scheduler.finish_step(batch)
         self._count(batch)
         progressed = {}
@@ -182,7 +201,19 @@ class PagedEngine(Engine):
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]
+        self._time(batch, scheduled - started + time.perf_counter() - ran, encoded - scheduled, ran - encoded)
         return outputs
+
+    def _time(self, batch: ScheduledBatch, host_s: float, vision_s: float, forward_s: float) -> None:
+        s, launch_s = self.stats, self.runner.last_launch_s
+        s.host_s += host_s
+        s.vision_s += vision_s
+        if batch.is_prefill:
+            s.prefill_launch_s += launch_s
+            s.prefill_wait_s += forward_s - launch_s
+        else:
+            s.decode_launch_s += launch_s
+            s.decode_wait_s += forward_s - launch_s
 
     @torch.no_grad()
     def teacher_forced_logits(self, prompts: list[PreparedPrompt], continuations: list[list[int]]) -> list[torch.Tensor]:

@@ -10,6 +10,8 @@ block manager hands out, so they never touch a sequence's cache.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
@@ -64,6 +66,7 @@ class ModelRunner:
         # (`prepare_static_decode(capture=False)`: lets the CPU tests cover the padding logic).
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.num_graph_replays = 0
+        self.last_launch_s = 0.0  # host time of the last `run` until its forward and sampling were launched
         if device.type == "cuda" and not enforce_eager:
             self.prepare_static_decode(max_num_seqs, capture=True)
 
@@ -200,11 +203,15 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
         """Run the step; return the sequences that got a next token and those tokens."""
+        started = time.perf_counter()
         seqs, logits = self.forward_logits(batch)
         if not seqs:
+            self.last_launch_s = time.perf_counter() - started
             return [], []
         sampling = SamplingBatch.build([s.params for s in seqs], [s.num_output_tokens for s in seqs], self.device)
-        return seqs, sample(logits, sampling).tolist()
+        tokens = sample(logits, sampling)
+        self.last_launch_s = time.perf_counter() - started
+        return seqs, tokens.tolist()
 
     def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         ids, positions, slots, ctx = self._decode_host_inputs(seqs)
