@@ -323,6 +323,26 @@ def decode_roofline(engine, adapter, batch: int, ceilings: dict[str, float], ste
             "launch_ms": 1000 * result.extra["decode_launch_s"] / steps_run, "wait_ms": 1000 * result.extra["decode_wait_s"] / steps_run}
 
 
+def profile_vision(engine, adapter, images: int = 56, top: int = 10) -> dict[str, Any]:
+    """Wall time of the vision tower on `images` fresh W1 images in one batch (what one
+    prefill step of W1 encodes) and its costliest ops: the tower dominated W1 once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = w1_prompts(adapter, images, seed=20_000)
+    items = [engine.model.split_media(p.mm_inputs, p.mm_hashes) for p in prompts]
+    engine.model.encode(items[:2])  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.model.encode(items[2:])
+        _sync(engine.device)
+    seconds = time.perf_counter() - start
+    cost = (lambda e: e.device_time_total) if engine.device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in prof.key_averages() if cost(e) > 0), key=cost, reverse=True)
+    return {"images": images - 2, "ms": 1000 * seconds,
+            "ops": [{"op": e.key[:90], "ms": cost(e) / 1000, "calls": e.count} for e in events[:top]]}
+
+
 def profile_decode(engine, adapter, batch: int, steps: int = 8, top: int = 12) -> list[dict[str, Any]]:
     """The GPU kernels of `steps` decode steps at `batch` sequences, the costliest first
     (CUDA-graph replays included): what to fuse or tune next."""
@@ -466,6 +486,8 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         reference = logit_reference(hf_model, adapter, w1_prompts(adapter, options.check_prompts, seed=7), options.decode_steps, device)
         engine = _paged_engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
+        report["packed_vision_attention"] = getattr(engine.model, "packed_vision_attention", None)
+        echo(f"vision tower attention batched per window length: {report['packed_vision_attention']}")
         correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device), adapter, ceilings)
         for name, errors in correctness["backends"].items():
             echo(_check_row(name, errors, reference.bound))
@@ -488,6 +510,13 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
                 if row is not None:
                     report["decode_roofline"].setdefault(shape, []).append(row)
                     echo(_roofline_row(shape, row))
+            if options.profile_batches and shape == options.shape:
+                vision = phases.run("profile-vision", profile_vision, engine, engine.adapter)
+                if vision is not None:
+                    report["vision_profile"] = vision
+                    echo(f"vision tower: {vision['images']} images in {vision['ms']:.0f} ms (profiled)")
+                    for op in vision["ops"]:
+                        echo(f"  {op['ms']:9.2f} ms {op['calls']:7d} calls  {op['op']}")
             for batch in options.profile_batches if shape == options.shape else ():
                 kernels = phases.run(f"profile-{shape}-b{batch}", profile_decode, engine, engine.adapter, batch)
                 if kernels is not None:

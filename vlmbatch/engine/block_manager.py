@@ -115,12 +115,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks:
+            return  # the common decode step: no block filled up
         self._extend_hashes(seq, num_full)
-        for index in range(num_full):
+        for index in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[index]]
             if block.hash is None:
                 block.hash = seq.block_hashes[index]
                 self.hash_to_block.setdefault(block.hash, block.block_id)
+        seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; unreferenced blocks stay cached until reused.
@@ -131,6 +134,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
+        seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:

@@ -44,7 +44,7 @@ class MultimodalData:
     rope_delta: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in running` must not compare token lists field by field
 class Sequence:
     request_id: str
     token_ids: list[int]
@@ -63,6 +63,9 @@ class Sequence:
     # Prefix-cache keys of the sequence's full blocks, a hash chain (block i's key covers
     # blocks 0..i); extended lazily by the block manager, valid as long as the tokens are.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks of `block_table` already registered in the prefix cache: each step's
+    # commit then only looks at blocks filled since (0 again when the table is dropped).
+    num_registered_blocks: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""

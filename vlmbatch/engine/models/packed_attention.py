@@ -62,10 +62,18 @@ def use_packed_attention(vision_tower: nn.Module) -> bool:
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError):
         config._attn_implementation = before
         return False
-    same = all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(_tensors(expected), _tensors(packed)))
+    # Relative L2 error: bf16 kernels differ in rounding (a few 1e-3 per layer, growing
+    # over 32 layers), while a wrong code path (windows ignored) is off by ~0.7.
+    tolerance = 1e-3 if parameter.dtype == torch.float32 else 5e-2
+    same = all(_relative_error(a, b) <= tolerance for a, b in zip(_tensors(expected), _tensors(packed)))
     if not same:
         config._attn_implementation = before
     return same
+
+
+def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.float()
+    return ((ours.float() - reference).norm() / reference.norm().clamp(min=1e-12)).item()
 
 
 def _tensors(output) -> list[torch.Tensor]:

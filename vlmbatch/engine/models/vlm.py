@@ -109,7 +109,8 @@ class QwenVL(VisionLanguageModel):
 
     def __init__(self, hf_model: nn.Module, decoder: Decoder, encoder_cache_size: int = 256):
         super().__init__(hf_model, decoder, encoder_cache_size)
-        use_packed_attention(hf_model.model.visual)
+        # False: the tower keeps transformers' per-window loop (benchmarks report it: it costs ~4x)
+        self.packed_vision_attention = use_packed_attention(hf_model.model.visual)
 
     @property
     def placeholder_token_ids(self) -> dict[str, int]:
