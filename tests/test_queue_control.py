@@ -79,7 +79,12 @@ def test_resume_retry_errors_reruns_only_the_failed_rows(
 
     Image.new("RGB", (32, 32), "white").save(late)
     assert cli("resume", str(job_dir), "--retry-errors").returncode == 0
-    qh.wait_for(lambda: job_status(job_dir, redis_server.url).rows_failed == 0, 120, "the failed rows to succeed")
+
+    def retried() -> bool:
+        status = job_status(job_dir, redis_server.url)
+        return status.state == "completed" and status.rows_failed == 0
+
+    qh.wait_for(retried, 120, "the failed rows to succeed")
     qh.assert_job_completed(job_dir, redis_server.url)
     after = {r["row_id"]: r for r in pq.read_table(job_dir / "results").to_pylist()}
     assert after[3]["error_type"] is None and after[25]["error_type"] is None

@@ -104,7 +104,7 @@ def job_status(job_dir: Path, broker_url: str) -> JobStatus:
         record = recorded.get(shard_id, {})
         if shard_id in committed:
             state = _committed_state(record.get("state"), shard_id in holders)
-            if record.get("state") not in ("done", "retrying", "running"):  # Redis missed the commit
+            if record.get("state") != "done":  # Redis missed the commit, or a retry is under way
                 ok_by_shard[shard_id], failed_by_shard[shard_id] = part_counts(manifest.part_path(shard_id))
         elif shard_id in holders:
             state = "running"
