@@ -54,7 +54,7 @@ class ModelRunner:
         self.model = model
         self.decoder = model.decoder
         self.backend = backend
-        self.decoder.use_kernels(backend.elementwise_kernels)
+        self.model.use_kernels(backend.elementwise_kernels)
         self.device = device
         self.dtype = self.decoder.embed_tokens.weight.dtype
         self.block_size = block_size
@@ -227,7 +227,7 @@ class ModelRunner:
     def use_backend(self, backend: AttentionBackend) -> None:
         """Switch attention backends (benchmarks compare them on one loaded model)."""
         self.backend = backend
-        self.decoder.use_kernels(backend.elementwise_kernels)
+        self.model.use_kernels(backend.elementwise_kernels)
         if self.graphs:
             capture = any(g is not None for g in self.graphs.values())
             self.graphs.clear()
