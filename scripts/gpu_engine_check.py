@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--no-7b", action="store_true", help="skip the 7B decode roofline")
     parser.add_argument("--backends", default="", help="attention backends to check (default: all available)")
     parser.add_argument("--no-peer", action="store_true", help="skip the generate() peer (quick iterations)")
+    parser.add_argument("--peer-batches", default="64,128", help="static batch sizes of the peer (W2 runs the largest)")
     parser.add_argument("--profile-batches", default="", help="decode batch sizes whose kernels to profile, e.g. 1,64")
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -51,7 +52,7 @@ def main() -> int:
         peer_requests=args.peer_requests,
         extra_shapes=() if args.no_7b else ("7b",),
         backends=tuple(b for b in args.backends.split(",") if b),
-        peer_batches=() if args.no_peer else BenchOptions.peer_batches,
+        peer_batches=() if args.no_peer else tuple(int(b) for b in args.peer_batches.split(",") if b),
         profile_batches=tuple(int(b) for b in args.profile_batches.split(",") if b),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -2,7 +2,7 @@
 
 The interpreter must be switched on before triton is imported, so the check runs in a
 fresh process: greedy tokens with our kernels (KV write, paged varlen prefill with a
-chunk and a prefix-cache hit, split-KV decode) must equal transformers' generate().
+chunk and a prefix-cache hit, split-KV decode, fused SiLU-and-mul) must equal transformers' generate().
 """
 
 import subprocess
@@ -36,6 +36,13 @@ SCRIPT = textwrap.dedent(
     expected = hf.generate(**hf_inputs(adapter, prompts[:1], torch.device("cpu"), hf), max_new_tokens=4,
                            min_new_tokens=4, do_sample=False)[0, prompts[0].num_tokens:].tolist()
     assert outputs == {"0": expected, "1": expected}, (outputs, expected)
+
+    from vlmbatch.engine.layers.activation import fused_silu_and_mul
+    from vlmbatch.engine.models.decoder import silu_and_mul
+    gate_up = torch.randn(3, 2 * 1500)  # two column blocks, a ragged tail
+    torch.testing.assert_close(fused_silu_and_mul(gate_up), silu_and_mul(gate_up), rtol=1e-5, atol=1e-6)
+    bf16 = gate_up.to(torch.bfloat16)  # the interpreter rounds casts toward zero: allow 2 bf16 ulps
+    torch.testing.assert_close(fused_silu_and_mul(bf16), silu_and_mul(bf16), rtol=2e-2, atol=1e-2)
     print("ok")
     """
 )
@@ -44,3 +51,4 @@ SCRIPT = textwrap.dedent(
 def test_triton_backend_matches_transformers_under_the_interpreter(tiny_qwen):
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_qwen)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+

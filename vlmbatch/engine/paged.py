@@ -269,8 +269,8 @@ class PagedEngine(Engine):
 
     def _output(self, request_id: str) -> RequestOutput:
         group = self.requests[request_id]
-        completions = [
-            CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason) for s in group
+        completions = [  # `output_token_ids` is a fresh slice: no copy needed
+            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason) for s in group
         ]
         first = group[0]
         return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, all(s.is_finished for s in group))

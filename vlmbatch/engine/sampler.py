@@ -72,10 +72,10 @@ def _exponential_noise(batch: SamplingBatch, shape: torch.Size, device: torch.de
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids [B] (int64, on the device) drawn from float logits [B, vocab]."""
+    if batch.all_greedy:  # the widening copy below is exact, so argmax needs none of it
+        return logits.argmax(dim=-1)
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        return greedy_tokens
     temperatures = torch.where(batch.temperatures > 0, batch.temperatures, 1.0).unsqueeze(-1)
     scaled = logits / temperatures
     if batch.needs_top_k_top_p:

@@ -19,6 +19,18 @@ from vlmbatch.engine.layers.norm import RMSNorm
 from vlmbatch.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gate_up` [..., 2 * n] -> silu(gate) * up, [..., n]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _fused_silu_and_mul() -> Callable:
+    from vlmbatch.engine.layers.activation import fused_silu_and_mul  # Triton: imported only with the kernels
+
+    return fused_silu_and_mul
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
         super().__init__()
@@ -49,10 +61,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act: Callable = silu_and_mul  # or the fused kernel (`use_kernels`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,6 +123,8 @@ class Decoder(nn.Module):
                 module.kernel = kernels.rms_norm if kernels is not None else None
             elif isinstance(module, Attention):
                 module.rotary = kernels.apply_rotary if kernels is not None else apply_rotary
+            elif isinstance(module, MLP):
+                module.act = _fused_silu_and_mul() if kernels is not None else silu_and_mul
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of a flat batch of tokens."""
