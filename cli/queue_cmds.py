@@ -8,7 +8,16 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from vlmbatch.cli.options import BrokerOption, DtypeOption, EngineOption, ModelOption, OutputOption, resolve_job_dir
+from vlmbatch.cli.options import (
+    BrokerOption,
+    DtypeOption,
+    EngineOption,
+    MediaIoKwargsOption,
+    ModelOption,
+    OutputOption,
+    parse_json_option,
+    resolve_job_dir,
+)
 
 JobArgument = typer.Argument(..., help="Job id (under --output) or the path of its folder.")
 
@@ -30,14 +39,29 @@ def worker(
     gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each: all, a list such as 0,1, or cpu (one CPU process)."),
     engine: str = EngineOption,
     dtype: str = DtypeOption,
+    media_io_kwargs: Optional[str] = MediaIoKwargsOption,
     dry_run: bool = typer.Option(False, "--dry-run", hidden=True, help="Validate rows without a model (queue benchmark)."),
 ) -> None:
-    """Serve MODEL's queue: one process per GPU (one CPU process without GPUs), model loaded once each."""
+    """Serve MODEL's queue: one process per GPU (one CPU process without GPUs), model loaded once each.
+
+    --media-io-kwargs sets this worker's media defaults (e.g. a GPU video decoder and its
+    hw_decoders, reserved at start-up); each job's and row's own options apply on top.
+    """
+    import json
+
+    from vlmbatch.media.video import ensure_backend_available, parse_video_options
     from vlmbatch.workers.supervisor import Supervisor, gpu_slots
 
     if not broker:
         raise typer.BadParameter("a worker needs a broker", param_hint="--broker")
-    supervisor = Supervisor(model, broker, gpu_slots(gpus), engine=engine, dtype=dtype, dry_run=dry_run)
+    media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
+    try:
+        ensure_backend_available(parse_video_options(media.get("video")).backend)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--media-io-kwargs")
+    supervisor = Supervisor(
+        model, broker, gpu_slots(gpus), engine=engine, dtype=dtype, dry_run=dry_run, media_io_kwargs=json.dumps(media)
+    )
     raise typer.Exit(supervisor.run())
 
 

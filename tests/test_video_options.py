@@ -120,3 +120,15 @@ def test_prepare_video_backend_at_start_up():
     prepare_video_backend(parse_video_options({"backend": "pyav"}, VideoOptions()))
     with pytest.raises(ValueError, match="deepstream"):
         prepare_video_backend(parse_video_options({"backend": "deepstream", "pool_size": 4}, VideoOptions()))
+
+
+def test_start_up_options_become_the_process_defaults_under_job_options(monkeypatch):
+    """A worker's or server's --media-io-kwargs set its defaults; a job's own options win."""
+    from vlmbatch.media.video import options as video_options
+    from vlmbatch.media.video import prepare_video_backend
+
+    monkeypatch.setattr(video_options, "_process_defaults", None)
+    prepare_video_backend(parse_video_options({"backend": "pyav", "num_frames": 8}))
+    assert default_video_options().backend == "pyav"
+    job = parse_video_options({"num_frames": 4})
+    assert (job.backend, job.num_frames) == ("pyav", 4)

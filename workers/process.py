@@ -10,6 +10,7 @@ a restart loop, and a shard would cross a process boundary for nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -20,9 +21,12 @@ from vlmbatch.workers.app import make_app, queue_name
 from vlmbatch.workers.store import connect
 
 
-def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool) -> int:
+def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool, media_io_kwargs: str) -> int:
     """Run until shut down; returns Celery's exit code."""
+    from vlmbatch.media.video import parse_video_options, prepare_video_backend
+
     logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
+    prepare_video_backend(parse_video_options(json.loads(media_io_kwargs).get("video")))
     llm = None
     if not dry_run:
         from vlmbatch.job.plan import load_llm
@@ -53,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="auto", help="paged, hf or auto (the worker's engine serves every job)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--dry-run", action="store_true", help="validate rows without a model (queue benchmark)")
+    parser.add_argument("--media-io-kwargs", default="{}", help="this worker's media defaults (JSON), e.g. its video decoder")
     args = parser.parse_args(argv)
-    code = serve(args.model, args.broker, args.slot, args.engine, args.dtype, args.dry_run)
+    code = serve(args.model, args.broker, args.slot, args.engine, args.dtype, args.dry_run, args.media_io_kwargs)
     # Everything that matters is already in the folder and in Redis; tearing down a loaded
     # model at interpreter exit is seconds of garbage collection, so skip it.
     logging.shutdown()

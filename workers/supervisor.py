@@ -63,9 +63,17 @@ class Supervisor:
     """Keeps one worker process per slot alive until a shutdown signal arrives."""
 
     def __init__(
-        self, model: str, broker_url: str, slots: list[str], engine: str = "auto", dtype: str = "auto", dry_run: bool = False
+        self,
+        model: str,
+        broker_url: str,
+        slots: list[str],
+        engine: str = "auto",
+        dtype: str = "auto",
+        dry_run: bool = False,
+        media_io_kwargs: str = "{}",
     ):
         self.model = model
+        self.media_io_kwargs = media_io_kwargs
         self.broker_url = broker_url
         self.slots = slots
         self.engine = engine
@@ -77,6 +85,7 @@ class Supervisor:
     def command(self, slot: str) -> list[str]:
         cmd = [sys.executable, "-m", "vlmbatch.workers.process", "--model", self.model]
         cmd += ["--broker", self.broker_url, "--slot", slot, "--engine", self.engine, "--dtype", self.dtype]
+        cmd += ["--media-io-kwargs", self.media_io_kwargs]
         return cmd + (["--dry-run"] if self.dry_run else [])
 
     def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:

@@ -14,7 +14,13 @@ from typing import Any, NamedTuple
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.types import VideoFrames
 from vlmbatch.media.video.base import VideoBackend
-from vlmbatch.media.video.options import VideoOptions, default_video_options, override_video_options, parse_video_options
+from vlmbatch.media.video.options import (
+    VideoOptions,
+    default_video_options,
+    override_video_options,
+    parse_video_options,
+    set_process_video_defaults,
+)
 from vlmbatch.media.video.resize import resize_frames
 from vlmbatch.media.video.sampling import QWEN2_5_VL, FrameConvention, plan_frames
 from vlmbatch.media.fetch import FetchPolicy
@@ -69,9 +75,11 @@ def ensure_backend_available(name: str) -> None:
 def prepare_video_backend(options: VideoOptions) -> None:
     """Call at worker / server start-up with the flag options: a missing decoder
     library stops the command, and GPU decoder sessions are reserved with the
-    start-up values (a request asking for another `hw_decoders` is then refused)."""
+    start-up values (a request asking for another `hw_decoders` is then refused); the
+    options become this process's defaults, under each job's and request's own."""
     ensure_backend_available(options.backend)
     get_backend(options.backend).reserve(options)
+    set_process_video_defaults(options)
 
 
 def get_backend(name: str) -> VideoBackend:

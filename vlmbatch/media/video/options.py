@@ -65,9 +65,21 @@ class VideoOptions:
 _KNOWN = {f.name for f in fields(VideoOptions)}
 
 
+_process_defaults: VideoOptions | None = None
+
+
 def default_video_options() -> VideoOptions:
-    """Defaults with the environment applied (`VLMBATCH_VIDEO_LOADER_BACKEND`, thread count)."""
+    """This process's defaults: those a worker or server fixed at start-up from its flags
+    (`set_process_video_defaults`), else the environment (`VLMBATCH_VIDEO_LOADER_BACKEND`,
+    thread count). A job's and a row's own options still apply on top."""
+    if _process_defaults is not None:
+        return _process_defaults
     return VideoOptions(backend=config.video_loader_backend(), pool_size=_default_pool_size())
+
+
+def set_process_video_defaults(options: VideoOptions) -> None:
+    global _process_defaults
+    _process_defaults = options
 
 
 def parse_video_options(video_kwargs: Mapping[str, Any] | None, base: VideoOptions | None = None) -> VideoOptions:
