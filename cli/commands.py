@@ -17,10 +17,4 @@ BENCH_MODULES = ["bench_engine", "bench_kernels", "bench_video", "bench_media", 
 
 for names, target in ((COMMAND_MODULES, app), (BENCH_MODULES, bench_app)):
     for name in names:
-        try:
-            module = importlib.import_module(f"vlmbatch.cli.{name}")
-        except ModuleNotFoundError as exc:  # TODO(integration): drop once every module has landed
-            if exc.name != f"vlmbatch.cli.{name}":
-                raise
-            continue
-        module.register(target)
+        importlib.import_module(f"vlmbatch.cli.{name}").register(target)
