@@ -1,0 +1,396 @@
+#!/usr/bin/env python
+"""Does the queue scale across GPUs? Two workers (one per GPU) on one job against one.
+
+    python scripts/gpu_scaling_check.py [--shape 3b] [--rows 2048] [--redis-server .whl/redis/redis-server]
+
+Everything is real: a private `redis-server` on 127.0.0.1, `vlmbatch worker` commands,
+`vlmbatch submit` and `vlmbatch wait`. The model is a Qwen2.5-VL folder of the chosen
+shape with random bf16 weights (nothing is downloaded); the dataset is W1 (one distinct
+448x448 JPEG per row, ~288 prompt tokens, 128 output tokens), so no row can reuse another
+row's prefix or encoder output.
+
+Run A starts the workers of `--gpus-a` (default `0`), run B those of `--gpus-b` (default
+`0,1`: two processes of one command); each run waits until every worker process is
+consuming, runs an untimed warm-up job (one shard per process, other rows: compilation
+and allocator growth are paid there, not in the figure), then times a fresh job over the
+dataset from the moment it is queued to its last committed part, and stops its workers,
+so run B starts with empty caches too. Without CUDA both runs use CPU workers (B: two
+`--gpus cpu` commands) for a smoke test with `--shape tiny`.
+
+Prints timestamped progress and a table; writes scaling.json into $OUT (or the current
+folder). Exits 1 when a run fails (a worker dies, a row errors, the job does not
+complete); the 1.9x target is reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TARGET_RATIO = 1.9
+IMAGE_SIDE = 448
+IMAGE_TOKENS = 256  # (448 / 14) ** 2 patches, merged 2x2
+PROMPT_TOKENS = 288
+OUTPUT_TOKENS = 128
+# Qwen2.5-VL's published pixel bounds: a 448x448 image keeps its size (256 tokens).
+QWEN_IMAGE_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}
+VLMBATCH = [sys.executable, "-m", "vlmbatch.cli"]
+WORDS = ("describe the picture with care and name every colour shape and texture you can see in it "
+         "then say which part is brightest where the light seems to come from and what mood it has").split()
+STARTED = time.monotonic()
+SUCCEEDED = re.compile(r"^\[(?P<stamp>[\d-]+ [\d:]+),\d+: INFO/\w+\] Task \S+ succeeded in (?P<seconds>[\d.]+)s", re.M)
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - STARTED:6.1f}s] {message}", flush=True)
+
+
+# ---- model and data -------------------------------------------------------------------
+def build_model(shape: str, workdir: Path) -> Path:
+    """The random-weight checkpoint `vlmbatch bench serve` uses; for real shapes its
+    processor is widened to Qwen's own pixel bounds so W1's images give 256 tokens."""
+    from transformers import AutoProcessor
+
+    from vlmbatch.cli.bench_serve import _random_checkpoint
+
+    path = _random_checkpoint(shape, workdir)
+    processor = AutoProcessor.from_pretrained(path)
+    if shape != "tiny":
+        processor.image_processor.size = dict(QWEN_IMAGE_SIZE)
+        processor.save_pretrained(path)
+        processor.image_processor.save_pretrained(path)
+        processor = AutoProcessor.from_pretrained(path)
+    grid = processor.image_processor(images=[gradient_image(0)], return_tensors="pt")["image_grid_thw"][0]
+    tokens = int(grid.prod()) // 4
+    if shape != "tiny" and tokens != IMAGE_TOKENS:
+        raise RuntimeError(f"a {IMAGE_SIDE}x{IMAGE_SIDE} image gives {tokens} tokens, not {IMAGE_TOKENS}: processor size not applied")
+    say(f"model {path} ({shape}); a {IMAGE_SIDE}x{IMAGE_SIDE} image is {tokens} tokens")
+    return path
+
+
+def gradient_image(seed: int) -> np.ndarray:
+    """A smooth colour field of its own per seed: distinct content, a small JPEG."""
+    rng = np.random.default_rng(seed)
+    axis = np.linspace(0.0, 1.0, IMAGE_SIDE, dtype=np.float32)
+    x, y = np.meshgrid(axis, axis)
+    channels = []
+    for _ in range(3):
+        a, b, c = rng.uniform(-120, 120, 2).tolist() + [rng.uniform(60, 190)]
+        freq, phase = rng.uniform(1, 6), rng.uniform(0, 2 * np.pi)
+        channels.append(c + a * x + b * y + 30 * np.sin(freq * (x + y) * np.pi + phase))
+    return np.clip(np.stack(channels, axis=-1), 0, 255).astype(np.uint8)
+
+
+def jpeg_bytes(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=85)
+    return buffer.getvalue()
+
+
+def prompt_text(words: list[str]) -> str:
+    return ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>" + " ".join(words)
+            + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def words_for_prompt(model: Path) -> int:
+    """How many words bring a prompt to ~PROMPT_TOKENS once its placeholder is expanded."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    count = 1
+    while count < len(WORDS) and len(tokenizer(prompt_text(WORDS[:count]))["input_ids"]) - 1 + IMAGE_TOKENS < PROMPT_TOKENS:
+        count += 1
+    return count
+
+
+def write_dataset(path: Path, rows: int, first_seed: int, words: int) -> Path:
+    """W1 rows as Parquet: id, raw Qwen prompt, JPEG bytes, max_tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(first_seed)
+    seeds = range(first_seed, first_seed + rows)
+    table = pa.table({
+        "id": [f"row-{s}" for s in seeds],
+        "prompt": [prompt_text(rng.choices(WORDS, k=words)) for _ in seeds],
+        "image": [jpeg_bytes(gradient_image(s)) for s in seeds],
+        "max_tokens": [OUTPUT_TOKENS] * rows,
+    })
+    pq.write_table(table, path)
+    say(f"dataset {path}: {rows} rows, {path.stat().st_size / 2**20:.1f} MiB")
+    return path
+
+
+# ---- redis and workers ----------------------------------------------------------------
+class PrivateRedis:
+    """`redis-server` from a given path (its libraries beside it), no persistence."""
+
+    def __init__(self, binary: Path, log: Path):
+        from vlmbatch.workers.local import free_port
+
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")])))
+        cmd = [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"]
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        import redis
+
+        from vlmbatch.workers.local import wait_until
+
+        def answers() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            try:
+                return bool(redis.Redis.from_url(self.url, socket_connect_timeout=1).ping())
+            except redis.RedisError:
+                return False
+
+        wait_until(answers, 30, "redis-server to answer")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+
+
+@dataclass
+class Worker:
+    """One `vlmbatch worker --gpus SPEC` command and when each of its processes got ready."""
+
+    gpus: str
+    log: Path
+    process: subprocess.Popen[bytes]
+    started: float
+    ready_after: list[float] = field(default_factory=list)
+
+    @property
+    def expected(self) -> int:
+        return len(self.gpus.split(","))
+
+    def poll_ready(self) -> bool:
+        """Celery logs `ready.` once a process consumes; the model is loaded before that."""
+        seen = self.log.read_bytes().count(b" ready.")
+        while len(self.ready_after) < seen:
+            self.ready_after.append(time.monotonic() - self.started)
+        return seen >= self.expected
+
+    def shard_seconds(self, since: float) -> list[float]:
+        """Run time of each shard this command's processes finished after `since` (epoch s),
+        from Celery's `succeeded in` lines: shows imbalance or a per-shard slowdown."""
+        found = []
+        for match in SUCCEEDED.finditer(self.log.read_text(errors="replace")):
+            stamp = time.mktime(time.strptime(match["stamp"], "%Y-%m-%d %H:%M:%S"))
+            if stamp + 1 >= since:
+                found.append(round(float(match["seconds"]), 2))
+        return found
+
+    def stop(self) -> None:
+        """SIGTERM to the command (it forwards it once to each process), then force."""
+        import psutil
+
+        if self.process.poll() is not None:
+            return
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            say(f"worker --gpus {self.gpus} ignored SIGTERM for 60 s: killing it")
+            self.process.kill()
+            self.process.wait()
+        for child in children:
+            if child.is_running():
+                child.kill()
+
+
+def start_worker(model: Path, broker: str, gpus: str, dtype: str, log: Path, env: dict[str, str]) -> Worker:
+    cmd = VLMBATCH + ["worker", "--model", str(model), "--broker", broker, "--gpus", gpus, "--dtype", dtype]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Worker(gpus, log, process, time.monotonic())
+
+
+def check_alive(workers: list[Worker]) -> None:
+    for worker in workers:
+        if worker.process.poll() is not None:
+            raise RuntimeError(f"worker --gpus {worker.gpus} exited with {worker.process.returncode}; see {worker.log}")
+
+
+def wait_workers_ready(workers: list[Worker], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all([w.poll_ready() for w in workers]):
+        check_alive(workers)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers not ready after {timeout:.0f} s; see {[str(w.log) for w in workers]}")
+        time.sleep(0.2)
+
+
+# ---- jobs -----------------------------------------------------------------------------
+def run_job(dataset: Path, model: Path, broker: str, output: Path, shard_size: int, workers: list[Worker],
+            env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Submit, time from queued to the last committed part, confirm with `vlmbatch wait`,
+    and total the results."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from vlmbatch.io.manifest import Manifest, results_dir
+    from vlmbatch.job.queue import committed_shards
+
+    cmd = VLMBATCH + ["submit", str(dataset), "--model", str(model), "--broker", broker, "--output", str(output),
+                      "--shard-size", str(shard_size), "--max-tokens", str(OUTPUT_TOKENS)]
+    submitted = time.monotonic()
+    submit = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert submit.stdout is not None
+    job_id = submit.stdout.readline().strip()
+    queued, queued_epoch = time.monotonic(), time.time()  # the id is printed after planning, just before the shards are queued
+    _, submit_err = submit.communicate(timeout=120)
+    if submit.returncode != 0 or not job_id:
+        raise RuntimeError(f"vlmbatch submit failed ({submit.returncode}): {submit_err}")
+    manifest = Manifest.load(output / job_id)
+    deadline = queued + timeout
+    while len(committed_shards(manifest)) < manifest.num_shards:
+        check_alive(workers)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} not done after {timeout:.0f} s")
+        time.sleep(0.05)
+    done = time.monotonic()
+    waited = subprocess.run(VLMBATCH + ["wait", job_id, "--output", str(output), "--broker", broker],
+                            env=env, capture_output=True, text=True, timeout=120)
+    if waited.returncode != 0:
+        raise RuntimeError(f"vlmbatch wait {job_id} exited {waited.returncode}: {waited.stderr[-2000:]}")
+    table = pq.read_table(results_dir(output / job_id), columns=["error_type", "num_input_tokens", "num_generated_tokens"])
+    failed = table.num_rows - pc.sum(pc.is_null(table["error_type"]).cast("int64")).as_py()
+    if table.num_rows != manifest.num_rows or failed:
+        errors = pc.unique(table["error_type"].drop_null()).to_pylist()
+        raise RuntimeError(f"job {job_id}: {table.num_rows}/{manifest.num_rows} rows, {failed} failed ({errors})")
+    seconds = done - queued
+    return {
+        "job_id": job_id,
+        "rows": table.num_rows,
+        "shards": manifest.num_shards,
+        "seconds": seconds,
+        "seconds_with_submit": done - submitted,
+        "rows_per_s": table.num_rows / seconds,
+        "generated_tokens": pc.sum(table["num_generated_tokens"]).as_py(),
+        "input_tokens_mean": pc.mean(table["num_input_tokens"]).as_py(),
+        "shard_seconds_by_command": [w.shard_seconds(queued_epoch) for w in workers],
+    }
+
+
+def run_config(label: str, gpus: list[str], model: Path, broker: str, dtype: str, datasets: tuple[Path, Path],
+               shard_size: int, workdir: Path, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Start the workers, warm them up, time the job, stop them."""
+    say(f"run {label}: starting workers {['--gpus ' + g for g in gpus]}")
+    workers = [start_worker(model, broker, spec, dtype, workdir / f"worker-{label}-{i}.log", env) for i, spec in enumerate(gpus)]
+    try:
+        wait_workers_ready(workers, timeout)
+        startup = [round(s, 1) for w in workers for s in w.ready_after]
+        say(f"run {label}: {len(startup)} worker processes consuming; start-up s {startup}")
+        warmup, timed = datasets
+        warm = run_job(warmup, model, broker, workdir / "out", shard_size, workers, env, timeout)
+        say(f"run {label}: warm-up job {warm['job_id']} done in {warm['seconds']:.1f} s")
+        result = run_job(timed, model, broker, workdir / "out", shard_size, workers, env, timeout)
+        say(f"run {label}: job {result['job_id']}: {result['rows']} rows in {result['seconds']:.1f} s = "
+            f"{result['rows_per_s']:.2f} rows/s, {result['generated_tokens']} generated tokens; "
+            f"shard seconds per worker command {result['shard_seconds_by_command']}")
+    finally:
+        for worker in workers:
+            worker.stop()
+    return dict(result, gpus=gpus, processes=len(startup), startup_s=startup, warmup_s=warm["seconds"])
+
+
+# ---- main -----------------------------------------------------------------------------
+def default_gpus(cuda: bool) -> tuple[str, str]:
+    return ("0", "0,1") if cuda else ("cpu", "cpu cpu")
+
+
+def print_table(a: dict[str, Any], b: dict[str, Any], ratio: float) -> None:
+    print(f"\n{'run':<4} {'worker --gpus':<16} {'procs':>5} {'start-up s':>14} {'rows':>6} {'seconds':>8} "
+          f"{'rows/s':>8} {'gen tokens':>11} {'in tok/row':>10}")
+    for label, run in (("A", a), ("B", b)):
+        startup = "/".join(f"{s:.0f}" for s in run["startup_s"])
+        print(f"{label:<4} {' | '.join(run['gpus']):<16} {run['processes']:>5} {startup:>14} {run['rows']:>6} "
+              f"{run['seconds']:>8.1f} {run['rows_per_s']:>8.2f} {run['generated_tokens']:>11} {run['input_tokens_mean']:>10.1f}")
+    verdict = "meets" if ratio >= TARGET_RATIO else "MISSES"
+    print(f"B/A = {ratio:.2f}x ({verdict} the {TARGET_RATIO}x target)\n", flush=True)
+
+
+def main() -> int:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpus_a, gpus_b = default_gpus(cuda)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="3b", choices=["3b", "7b", "tiny"])
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (2048/256 = 8 shards, 4 per GPU in run B)")
+    parser.add_argument("--gpus-a", default=gpus_a, help="space-separated --gpus values, one `vlmbatch worker` command each")
+    parser.add_argument("--gpus-b", default=gpus_b, help="likewise for run B")
+    parser.add_argument("--redis-server", type=Path, default=Path(".whl/redis/redis-server"))
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/vlmbatch-scaling"))
+    parser.add_argument("--preprocess-workers", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2 - 1),
+                        help="preprocessing processes per worker, the same in both runs (default: half the cores each)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for start-up and for each job")
+    args = parser.parse_args()
+
+    workdir = args.workdir
+    (workdir / "out").mkdir(parents=True, exist_ok=True)
+    out_dir = Path(os.environ.get("OUT", "."))
+    env = dict(os.environ, VLMBATCH_PREPROCESS_WORKERS=str(args.preprocess_workers), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if not cuda:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # a CPU smoke test on a shared box
+    dtype = "bfloat16" if cuda else "auto"
+    report: dict[str, Any] = {"shape": args.shape, "rows": args.rows, "shard_size": args.shard_size, "cuda": cuda,
+                              "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                              "preprocess_workers_per_worker": args.preprocess_workers, "target_ratio": TARGET_RATIO}
+    say(f"devices {report['devices'] or ['cpu']}; workdir {workdir}")
+    redis_server = PrivateRedis(args.redis_server.absolute(), workdir / "redis.log")
+    try:
+        redis_server.wait_ready()
+        say(f"redis-server on {redis_server.url}")
+        model = build_model(args.shape, workdir)
+        words = words_for_prompt(model)
+        processes_b = sum(len(spec.split(",")) for spec in args.gpus_b.split())
+        warmup = write_dataset(workdir / "warmup.parquet", args.shard_size * processes_b, 10_000_000, words)
+        timed = write_dataset(workdir / "w1.parquet", args.rows, 0, words)
+        for label, gpus in (("A", args.gpus_a), ("B", args.gpus_b)):
+            report[label] = run_config(label, gpus.split(), model, redis_server.url, dtype, (warmup, timed),
+                                       args.shard_size, workdir, env, args.timeout)
+        report["ratio"] = report["B"]["rows_per_s"] / report["A"]["rows_per_s"]
+        report["meets_target"] = report["ratio"] >= TARGET_RATIO
+        report["ok"] = True
+        print_table(report["A"], report["B"], report["ratio"])
+    except Exception as exc:
+        report["ok"] = False
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        say(f"FAILED: {report['error']}\n{traceback.format_exc()}")
+    finally:
+        redis_server.stop()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "scaling.json").write_text(json.dumps(report, indent=2))
+        say(f"wrote {out_dir / 'scaling.json'}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
