@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--peer-batches", default="64,128", help="static batch sizes of the peer (W2 runs the largest)")
     parser.add_argument("--profile-batches", default="", help="decode batch sizes whose kernels to profile, e.g. 1,64")
     parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--admission-batch", type=int, default=1, help="free slots before waiting requests join (1 = at once)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
     import_kernels_package()
@@ -55,6 +56,7 @@ def main() -> int:
         peer_batches=() if args.no_peer else tuple(int(b) for b in args.peer_batches.split(",") if b),
         profile_batches=tuple(int(b) for b in args.profile_batches.split(",") if b),
         max_num_seqs=args.max_num_seqs,
+        min_admission_batch=args.admission_batch,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     path = Path(os.environ.get("OUT", ".")) / "engine_check.json"

@@ -86,3 +86,20 @@ def test_preempts_newest_when_blocks_run_out_and_resumes_it():
     resumed = run_step(sched)
     assert resumed.is_prefill and resumed.seqs == [new]
     assert new.num_computed_tokens == 9 and len(new) == 10
+
+
+def test_admission_batch_holds_new_requests_until_enough_slots_are_free():
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64, min_admission_batch=2)
+    running = [Sequence(name, [1, 2], SamplingParams()) for name in "abc"]
+    for seq in running:
+        sched.add(seq)
+    assert run_step(sched).seqs == running  # nothing running: admitted at once
+    late = [Sequence(name, [3, 4], SamplingParams()) for name in "de"]
+    for seq in late:
+        sched.add(seq)
+    held = run_step(sched)  # one free slot of the two wanted: a pure decode step
+    assert not held.is_prefill and held.seqs == running
+    sched.remove(running[0])
+    sched.remove(running[1])
+    joined = run_step(sched)
+    assert joined.is_prefill and joined.seqs == [running[2], *late]

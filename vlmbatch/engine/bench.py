@@ -383,6 +383,7 @@ class BenchOptions:
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.85
+    min_admission_batch: int = 1
     device: str = "auto"
 
 
@@ -426,7 +427,7 @@ def _paged_engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, 
     return PagedEngine(
         adapter, adapter.model_path, dtype=dtype, device=str(device), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, gpu_memory_utilization=options.gpu_memory_utilization,
-        max_model_len=PROMPT_TOKENS + W2_RANGE[1], hf_model=hf_model,
+        max_model_len=PROMPT_TOKENS + W2_RANGE[1], hf_model=hf_model, min_admission_batch=options.min_admission_batch,
     )
 
 

@@ -85,9 +85,11 @@ class PagedEngine(Engine):
         enforce_eager: bool = False,
         max_model_len: int | None = None,
         hf_model: torch.nn.Module | None = None,
+        min_admission_batch: int = 1,
     ):
         """`hf_model`: an already loaded `transformers` model of `model_path` on the target
-        device (benchmarks); its language model is taken over and dropped from it."""
+        device (benchmarks); its language model is taken over and dropped from it.
+        `min_admission_batch`: see `Scheduler` (1 = admit as soon as a slot is free)."""
         from vlmbatch.models.registry import load_hf_model, resolve_device, resolve_dtype
 
         super().__init__(adapter)
@@ -104,7 +106,7 @@ class PagedEngine(Engine):
             self.max_model_len, num_kv_blocks, gpu_memory_utilization, enforce_eager,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, min_admission_batch)
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences

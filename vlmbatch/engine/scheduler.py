@@ -7,6 +7,12 @@ prompt is thus split over several steps (chunked prefill) and new requests join 
 stalling the decoding ones. A step with no prompt work is a pure decode step, whose
 fixed shapes the runner replays as a CUDA graph.
 
+With `min_admission_batch` > 1, waiting requests join a running batch only once that
+many slots are free (or the queue is shorter): each admission is then one larger
+prefill step, instead of a mixed, eager step with a few prompts and their images after
+every finishing sequence (what W2 on the H200 spent most of its time in: 275 mixed
+steps for 1,024 requests).
+
 When the cache runs out of blocks, the newest running sequence is preempted: its
 blocks are released (they stay in the prefix cache until reused) and it goes back to
 the front of the waiting queue to be recomputed later.
@@ -35,10 +41,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, min_admission_batch: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.min_admission_batch = min_admission_batch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -80,6 +87,8 @@ class Scheduler:
                 batch.is_prefill = True
             self._add(batch, seq, n)
         bm = self.block_manager
+        if not self._admitting():
+            return batch if batch.seqs else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.match_prefix(seq)
@@ -95,6 +104,11 @@ class Scheduler:
             batch.is_prefill = True
             budget -= n
         return batch if batch.seqs else None
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests may join this step (see `min_admission_batch`)."""
+        wanted = min(self.min_admission_batch, len(self.waiting), self.max_num_seqs)
+        return not self.running or self.max_num_seqs - len(self.running) >= wanted
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
