@@ -82,6 +82,22 @@ def build_model(shape: str, workdir: Path) -> Path:
     return path
 
 
+def device_names() -> list[str]:
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def in_child(function: Any, *args: Any) -> Any:
+    """Run `function` in a fresh process, so this one never holds GPU memory or a CUDA
+    context that the workers' memory sizing would see on GPU 0."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
 def gradient_image(seed: int) -> np.ndarray:
     """A smooth colour field of its own per seed: distinct content, a small JPEG."""
     rng = np.random.default_rng(seed)
@@ -361,14 +377,14 @@ def main() -> int:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # a CPU smoke test on a shared box
     dtype = "bfloat16" if cuda else "auto"
     report: dict[str, Any] = {"shape": args.shape, "rows": args.rows, "shard_size": args.shard_size, "cuda": cuda,
-                              "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                              "devices": in_child(device_names),
                               "preprocess_workers_per_worker": args.preprocess_workers, "target_ratio": TARGET_RATIO}
     say(f"devices {report['devices'] or ['cpu']}; workdir {workdir}")
     redis_server = PrivateRedis(args.redis_server.absolute(), workdir / "redis.log")
     try:
         redis_server.wait_ready()
         say(f"redis-server on {redis_server.url}")
-        model = build_model(args.shape, workdir)
+        model = in_child(build_model, args.shape, workdir)
         words = words_for_prompt(model)
         processes_b = sum(len(spec.split(",")) for spec in args.gpus_b.split())
         warmup = write_dataset(workdir / "warmup.parquet", args.shard_size * processes_b, 10_000_000, words)
