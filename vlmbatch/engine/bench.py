@@ -337,10 +337,16 @@ def profile_vision(engine, adapter, images: int = 56, top: int = 10) -> dict[str
         engine.model.encode(items[2:])
         _sync(engine.device)
     seconds = time.perf_counter() - start
-    cost = (lambda e: e.device_time_total) if engine.device.type == "cuda" else (lambda e: e.self_cpu_time_total)
-    events = sorted((e for e in prof.key_averages() if cost(e) > 0), key=cost, reverse=True)
     return {"images": images - 2, "ms": 1000 * seconds,
-            "ops": [{"op": e.key[:90], "ms": cost(e) / 1000, "calls": e.count} for e in events[:top]]}
+            "ops": [{"op": name, "ms": us / 1000, "calls": calls} for name, us, calls in _costliest(prof, engine.device, top)]}
+
+
+def _costliest(prof, device: torch.device, top: int) -> list[tuple[str, float, int]]:
+    """(name, microseconds, calls) of a profile's costliest ops: device time on a GPU,
+    CPU time elsewhere."""
+    cost = (lambda e: e.device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in prof.key_averages() if cost(e) > 0), key=cost, reverse=True)
+    return [(e.key[:90], cost(e), e.count) for e in events[:top]]
 
 
 def profile_decode(engine, adapter, batch: int, steps: int = 8, top: int = 12) -> list[dict[str, Any]]:
@@ -360,9 +366,7 @@ def profile_decode(engine, adapter, batch: int, steps: int = 8, top: int = 12) -
             engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    cost = (lambda e: e.device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
-    events = sorted((e for e in prof.key_averages() if cost(e) > 0), key=cost, reverse=True)
-    return [{"kernel": e.key[:90], "us_per_step": cost(e) / steps, "calls_per_step": e.count / steps} for e in events[:top]]
+    return [{"kernel": name, "us_per_step": us / steps, "calls_per_step": calls / steps} for name, us, calls in _costliest(prof, engine.device, top)]
 
 
 # ---- the whole benchmark ----------------------------------------------------------------
