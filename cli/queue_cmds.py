@@ -59,8 +59,12 @@ def worker(
         ensure_backend_available(parse_video_options(media.get("video")).backend)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--media-io-kwargs")
+    try:
+        slots = gpu_slots(gpus)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--gpus")
     supervisor = Supervisor(
-        model, broker, gpu_slots(gpus), engine=engine, dtype=dtype, dry_run=dry_run, media_io_kwargs=json.dumps(media)
+        model, broker, slots, engine=engine, dtype=dtype, dry_run=dry_run, media_io_kwargs=json.dumps(media)
     )
     raise typer.Exit(supervisor.run())
 

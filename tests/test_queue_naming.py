@@ -19,6 +19,8 @@ def test_queue_names_keep_models_apart_and_ignore_a_trailing_slash() -> None:
 def test_gpu_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gpu_slots("0,1") == ["0", "1"]
     assert gpu_slots(" 3 ") == ["3"]
+    with pytest.raises(ValueError, match="twice"):
+        gpu_slots("cpu,cpu")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")  # `all` means the GPUs this machine lets us see
     assert gpu_slots("all") == ["2", "5"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -34,7 +34,10 @@ HEALTHY_AFTER = 60.0
 def gpu_slots(gpus: str | None) -> list[str]:
     """`all` (or nothing) → every visible GPU, `0,1` → those, `cpu` or no GPU at all → `["cpu"]`."""
     if gpus not in (None, "", "all"):
-        return [g.strip() for g in gpus.split(",") if g.strip()]
+        slots = [g.strip() for g in gpus.split(",") if g.strip()]
+        if len(set(slots)) != len(slots):  # one process per slot: a repeated one would go unsupervised
+            raise ValueError(f"--gpus lists a slot twice: {gpus!r}")
+        return slots
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [g.strip() for g in visible.split(",") if g.strip()] or ["cpu"]
