@@ -41,7 +41,7 @@ def main() -> int:
     parser.add_argument("--peer-batches", default="64,128", help="static batch sizes of the peer (W2 runs the largest)")
     parser.add_argument("--profile-batches", default="", help="decode batch sizes whose kernels to profile, e.g. 1,64")
     parser.add_argument("--max-num-seqs", type=int, default=512)
-    parser.add_argument("--admission-batch", type=int, default=1, help="free slots before waiting requests join (1 = at once)")
+    parser.add_argument("--admission-batch", type=int, default=64, help="free slots before waiting requests join (1 = at once)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
     import_kernels_package()

@@ -96,7 +96,7 @@ def test_greedy_tokens_match_transformers(arch, count, tiny_model_dir):
     hf_model = load_hf_model(path, "float32", "cpu")
     engine = PagedEngine(
         adapter, path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4,
-        max_num_seqs=6, max_num_batched_tokens=40,
+        max_num_seqs=6, max_num_batched_tokens=40, min_admission_batch=1,  # admit eagerly: forces preemption
     )
     requests = build_requests(adapter, arch, count, seed=1)
     prepared = {}

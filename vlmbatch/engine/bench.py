@@ -387,7 +387,7 @@ class BenchOptions:
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.85
-    min_admission_batch: int = 1
+    min_admission_batch: int = 64
     device: str = "auto"
 
 
