@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 # How often a running shard looks at the job's cancel flag (one Redis GET each time).
 CANCEL_POLL_SECONDS = 0.5
+PROGRESS_SEND_SECONDS = 0.5
 # How often a finished shard asks whether the broker is back.
 BROKER_WAIT_SECONDS = 1.0
 
@@ -119,9 +120,20 @@ def _run_leased(
             cancelled = _cancelled(store)
         return cancelled
 
+    unsent = [0, 0]  # rows ok / failed not yet counted in Redis
+    last_sent = 0.0
+
     def on_progress(ok: int, failed: int) -> None:
-        with advisory("count rows"):
-            store.add_rows(shard_id, ok, failed)
+        # One Redis round trip per row would cost more than a cheap row itself: send the
+        # counts at most every PROGRESS_SEND_SECONDS (the committed part sets them exactly).
+        nonlocal last_sent
+        unsent[0] += ok
+        unsent[1] += failed
+        if time.monotonic() - last_sent >= PROGRESS_SEND_SECONDS:
+            last_sent = time.monotonic()
+            with advisory("count rows"):
+                store.add_rows(shard_id, *unsent)
+            unsent[:] = [0, 0]
 
     options: dict[str, Any] = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress}
     try:
