@@ -36,6 +36,9 @@ class MediaLoader:
         allow_local_files: bool = True,
         allow_private: bool = True,
         allowed_domains: tuple[str, ...] | None = None,
+        allowed_networks: tuple[str, ...] = (),
+        max_bytes: int | None = None,
+        max_pixels: int | None = None,
     ):
         from vlmbatch.media.video import parse_video_options
 
@@ -44,19 +47,23 @@ class MediaLoader:
         unknown = set(image_options) - IMAGE_OPTIONS
         if unknown:
             raise ValueError(f"unknown image option(s) {sorted(unknown)}; known: {sorted(IMAGE_OPTIONS)}")
+        fetch: dict[str, Any] = {"allow_private": allow_private, "allowed_domains": allowed_domains}
+        fetch["allowed_networks"] = allowed_networks
+        if max_bytes is not None:  # otherwise each kind keeps its own default cap
+            fetch["max_bytes"] = max_bytes
         self.image_context = MediaContext(
             base_dir=base_dir,
             allowed_local_path=allowed_local_path,
             allow_local_files=allow_local_files,
-            fetch=FetchPolicy(allow_private=allow_private, allowed_domains=allowed_domains),
-            max_pixels=int(image_options.get("max_pixels", DEFAULT_MAX_PIXELS)),
+            fetch=FetchPolicy(**fetch),
+            max_pixels=max_pixels or int(image_options.get("max_pixels", DEFAULT_MAX_PIXELS)),
         )
         self.video_options = parse_video_options(media_io_kwargs.get("video"))
         self.video_context = MediaContext(
             base_dir=base_dir,
             allowed_local_path=allowed_local_path,
             allow_local_files=allow_local_files,
-            fetch=FetchPolicy.for_videos(allow_private=allow_private, allowed_domains=allowed_domains),
+            fetch=FetchPolicy.for_videos(**fetch),
         )
 
     def image(self, ref: Any, param: str = "image") -> Any:

@@ -17,9 +17,9 @@ from urllib.parse import urlparse
 
 from vlmbatch import config
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.media.fetch import FetchPolicy
-from vlmbatch.media.image import MediaContext, load_image
-from vlmbatch.media.video import load_video, override_video_options, parse_video_options
+from vlmbatch.media.image import load_image
+from vlmbatch.media.loader import MediaLoader
+from vlmbatch.media.video import load_video, override_video_options
 from vlmbatch.server.settings import ServerSettings
 
 # What a request may change for its own videos: how many frames, not which decoder or
@@ -47,26 +47,20 @@ class ServerMedia:
     def __init__(self, settings: ServerSettings):
         """Raises `ValueError` for bad `--media-io-kwargs` (the server must not start)."""
         self._settings = settings
-        fetch = {
-            "allowed_domains": settings.allowed_media_domains or None,
-            "allow_private": settings.allow_private_media_urls,
-            "allowed_networks": settings.allowed_media_networks,
-            "max_bytes": settings.max_media_bytes,
-        }
-        local = str(settings.allowed_local_media_path) if settings.allowed_local_media_path else None
-        self._image_ctx = MediaContext(
-            allowed_local_path=local,
-            allow_local_files=local is not None,
-            fetch=FetchPolicy(timeout=config.image_fetch_timeout(), **fetch),
-            max_pixels=settings.max_image_pixels,
-        )
-        self._video_ctx = MediaContext(
-            allowed_local_path=local, allow_local_files=local is not None, fetch=FetchPolicy.for_videos(**fetch)
-        )
         unknown = set(settings.media_io_kwargs) - {"video"}
         if unknown:
             raise ValueError(f"--media-io-kwargs: unknown media kind(s) {sorted(unknown)}; only 'video' takes options")
-        self._video_options = parse_video_options(settings.media_io_kwargs.get("video"))
+        local = settings.allowed_local_media_path
+        self._media = MediaLoader(
+            media_io_kwargs=settings.media_io_kwargs,
+            allowed_local_path=local,
+            allow_local_files=local is not None,
+            allow_private=settings.allow_private_media_urls,
+            allowed_domains=settings.allowed_media_domains or None,
+            allowed_networks=settings.allowed_media_networks,
+            max_bytes=settings.max_media_bytes,
+            max_pixels=settings.max_image_pixels,
+        )
         self._pool = ThreadPoolExecutor(config.media_loading_thread_count(), thread_name_prefix="vlmbatch-media")
 
     def close(self) -> None:
@@ -100,7 +94,7 @@ class ServerMedia:
                 f"a request may set only {', '.join(sorted(REQUEST_VIDEO_OPTIONS))} for videos, not {', '.join(sorted(refused))}",
                 "media_io_kwargs.video",
             )
-        return override_video_options(self._video_options, video_kwargs, "media_io_kwargs.video")
+        return override_video_options(self._media.video_options, video_kwargs, "media_io_kwargs.video")
 
     async def load(
         self,
@@ -117,9 +111,9 @@ class ServerMedia:
             for ref, param in zip(refs, part_params[kind], strict=True):
                 self._check_url(ref, param)
                 if kind == "image":
-                    jobs.append((param, partial(load_image, ref, self._image_ctx, param)))
+                    jobs.append((param, partial(load_image, ref, self._media.image_context, param)))
                 else:
-                    jobs.append((param, partial(load_video, ref, video_options, self._video_ctx)))
+                    jobs.append((param, partial(load_video, ref, video_options, self._media.video_context)))
         if not jobs:
             return [], []
         loop = asyncio.get_running_loop()
