@@ -41,13 +41,14 @@ def test_two_copies_of_a_shard_at_once_run_it_once(
 def test_shard_longer_than_the_visibility_timeout_runs_once(
     tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
 ) -> None:
-    dataset = qh.write_rows(tmp_path / "rows.jsonl", 2000)
+    # 6,000 tiny rows: several seconds even on a quiet machine (2,000 once took only 2.8 s)
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 6000)
     env = {"VLMBATCH_QUEUE_VISIBILITY_TIMEOUT": "1.5"}  # the shard takes several of these
     workers = [start_worker(tiny_qwen, redis_server.url, env=env) for _ in range(2)]
     qh.wait_for(lambda: all(w.ready_count() for w in workers), 120, "both workers to consume")
-    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=2000)
+    manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=6000)
 
-    qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=150)
+    qh.wait_state(job_dir, redis_server.url, {"completed"}, timeout=240)
     qh.assert_job_completed(job_dir, redis_server.url)
     assert attempts(redis_server.url, manifest.job_id, 0) == 1
     started = JobStore(connect(redis_server.url), manifest.job_id).started_at()
