@@ -94,8 +94,9 @@ class _TensorPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         import torch
 
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
-            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+            # GPU tensors (a row overriding the video backend) cross through the host
+            raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
         return NotImplemented
 
@@ -407,6 +408,15 @@ def _failed_row(task: Task, error_type: str, message: str) -> PreparedRow:
     return PreparedRow(row_id=row_id, raw=raw, error=RowError(error_type, message))
 
 
+def _videos_on_gpu(manifest: Any) -> bool:
+    """A job whose video backend decodes on the GPU: its rows are prepared in the engine
+    process, as pool workers would each open a CUDA context the engine did not budget for
+    and send the frames back through the host."""
+    from vlmbatch.media.video import decodes_on_gpu
+
+    return decodes_on_gpu((manifest.media_io_kwargs or {}).get("video"))
+
+
 def prepare_rows_parallel(
     source: Iterable[tuple[int, Any]],
     manifest: Any,
@@ -427,6 +437,8 @@ def prepare_rows_parallel(
     from vlmbatch.job.prepare import prepare_rows
 
     workers = default_num_workers() if num_workers is None else num_workers
+    if _videos_on_gpu(manifest):
+        workers = 0  # GPU-decoded frames stay on the engine's GPU: see docs/video.md
     if workers == 0:
         if adapter is None and adapter_spec is not None:
             adapter = adapter_spec.load()

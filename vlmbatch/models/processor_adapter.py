@@ -25,7 +25,15 @@ _PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_ty
 
 def media_hash(media: Any) -> str:
     """A digest of an image's or video's pixels, so equal content shares cache entries
-    whatever its source (images use the media layer's own digest)."""
+    whatever its source (images use the media layer's own digest).
+
+    Frames on the GPU are copied to the host whole for this: one device-to-host copy of
+    the clip (64 frames of 720p: 177 MB, ~10-30 ms) on top of the sha256 the CPU path pays
+    too. Cheaper keys were rejected because the key decides whether a row reuses another
+    row's cached encoder output and KV blocks, so a collision silently answers about the
+    wrong video: a strided subsample cannot tell apart clips that differ between sampled
+    pixels (burnt-in captions, a small moving object on a fixed camera), and a float
+    reduction on the device changes with the reduction order."""
     if not isinstance(media, VideoFrames):
         from vlmbatch.media.image import content_hash
 
@@ -175,6 +183,30 @@ class ProcessorAdapter(ModelAdapter):
             counts = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens
             cache[(height, width)] = counts[0]
         return cache[(height, width)]
+
+    def prepare_pending(self, prompt: str, jpegs: list[Any], max_tokens: int = 0) -> PreparedPrompt:
+        """`prepare` for images the engine will decode (`media.gpu_batch.PendingJpeg`): the
+        same token ids, counted from each image's size through the processor's own formula
+        and expanded as the processor expands them; `mm_inputs` carries the bytes and the
+        grids instead of pixels."""
+        from vlmbatch.media.gpu_batch import PENDING_KEY
+
+        self._validate(prompt, jpegs, [])
+        counts = iter(self._image_tokens(j.height, j.width) for j in jpegs)
+        pieces = prompt.split(self.image_token)
+        expanded = pieces[0] + "".join(self.image_token * next(counts) + piece for piece in pieces[1:])
+        token_ids: list[int] = self.tokenizer([expanded])["input_ids"][0]
+        self._check_length(len(token_ids), max_tokens)
+        return PreparedPrompt(
+            prompt_token_ids=list(token_ids),
+            mm_inputs={PENDING_KEY: list(jpegs), **self._pending_image_inputs(jpegs)},
+            prompt=prompt,
+            mm_hashes=[j.content_hash for j in jpegs],
+        )
+
+    def _pending_image_inputs(self, jpegs: list[Any]) -> dict[str, torch.Tensor]:
+        """Processor outputs the engine needs before the pixels exist (Qwen: `image_grid_thw`)."""
+        return {}
 
     def prepare(
         self,

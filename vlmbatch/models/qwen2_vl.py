@@ -3,6 +3,11 @@
 Videos arrive already sampled (`VideoFrames`), so the processor must not sample again, and
 it must know the real sampling rate: Qwen2.5-VL's temporal M-RoPE positions come from
 `second_per_grid_ts` = temporal_patch_size / fps.
+
+Frames from GPU decoders (CUDA tensors) are handed to the processor as they are, with
+`device=` their device: the processor's torch code resizes and normalises them there, so
+`pixel_values_videos` come out on the GPU with no host round trip (as `gpu_image` does for
+images). CPU frames (numpy) take the processor's usual path, unchanged.
 """
 
 from __future__ import annotations
@@ -16,9 +21,17 @@ from vlmbatch.media.types import VideoFrames
 from vlmbatch.models.processor_adapter import ProcessorAdapter
 
 
-def _frames_array(video: VideoFrames) -> np.ndarray:
+def _frames_input(video: VideoFrames) -> np.ndarray | torch.Tensor:
+    """(T, H, W, 3) uint8 as the processor takes it: torch tensors stay tensors (on their
+    device), anything else becomes numpy."""
     frames = video.frames
-    return frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+    return frames if isinstance(frames, torch.Tensor) else np.asarray(frames)
+
+
+def _frames_device(arrays: list[np.ndarray | torch.Tensor]) -> torch.device | None:
+    """The GPU the videos should be processed on: that of the first frames not on the CPU
+    (a row's videos share one backend, so one device), else None (the CPU path)."""
+    return next((a.device for a in arrays if isinstance(a, torch.Tensor) and a.device.type != "cpu"), None)
 
 
 class Qwen2VLAdapter(ProcessorAdapter):
@@ -35,7 +48,7 @@ class Qwen2VLAdapter(ProcessorAdapter):
             return {}
         from transformers.video_utils import VideoMetadata
 
-        arrays = [_frames_array(v) for v in videos]
+        arrays = [_frames_input(v) for v in videos]
         metadata = [
             # fps is the rate the frames were sampled at, which is what the processor
             # turns into second_per_grid_ts; indices are positions in this frame list.
@@ -50,10 +63,31 @@ class Qwen2VLAdapter(ProcessorAdapter):
             for v, a in zip(videos, arrays)
         ]
         kwargs: dict[str, Any] = {"videos": arrays, "video_metadata": metadata, "do_sample_frames": False}
+        device = _frames_device(arrays)
+        if device is not None:  # videos only: a row's images keep the CPU path
+            kwargs["videos_kwargs"] = {"device": device}
         if getattr(self.processor.video_processor, "cap_pixels_per_frame", False) is None:
             # transformers >= 5.20 asks us to choose: take qwen-vl-utils' bounded per-frame pixels.
             kwargs["cap_pixels_per_frame"] = True
         return kwargs
+
+
+    def _pending_image_inputs(self, jpegs: list[Any]) -> dict[str, torch.Tensor]:
+        """Each image's (1, h, w) patch grid, exactly as the image processor derives it
+        (`smart_resize` with its pixel bounds, patch and merge sizes): M-RoPE positions and
+        the token count come from it before the pixels exist."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        ip = self.processor.image_processor
+        patch = ip.patch_size
+        grids = []
+        for jpeg in jpegs:
+            height, width = smart_resize(
+                jpeg.height, jpeg.width, patch * ip.merge_size,
+                min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"],
+            )
+            grids.append([1, height // patch, width // patch])
+        return {"image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):

@@ -31,6 +31,7 @@ __all__ = [
     "QWEN2_5_VL",
     "VideoOptions",
     "default_video_options",
+    "decodes_on_gpu",
     "ensure_backend_available",
     "get_backend",
     "load_video",
@@ -59,6 +60,18 @@ _BACKENDS = {
     ),
 }
 _instances: dict[str, VideoBackend] = {}
+# Backends whose frames are CUDA tensors (they stay on the GPU into the vision encoder).
+GPU_BACKENDS = frozenset({"pynvvideocodec", "deepstream"})
+
+
+def decodes_on_gpu(video_kwargs: Any) -> bool:
+    """Whether a job's videos (its `media_io_kwargs["video"]` over this process's defaults)
+    come out of the decoder on the GPU; options that do not parse say False, the job's
+    own checks report them."""
+    try:
+        return parse_video_options(video_kwargs).backend in GPU_BACKENDS
+    except ValueError:
+        return False
 
 
 def ensure_backend_available(name: str) -> None:
