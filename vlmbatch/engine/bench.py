@@ -491,8 +491,9 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         reference = logit_reference(hf_model, adapter, w1_prompts(adapter, options.check_prompts, seed=7), options.decode_steps, device)
         engine = _paged_engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
+        report["vision_tower"] = "vlmbatch" if getattr(engine.model, "tower", None) is not None else "transformers"
         report["packed_vision_attention"] = getattr(engine.model, "packed_vision_attention", None)
-        echo(f"vision tower attention batched per window length: {report['packed_vision_attention']}")
+        echo(f"vision tower: {report['vision_tower']} (transformers' attention batched per window length: {report['packed_vision_attention']})")
         correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device), adapter, ceilings)
         for name, errors in correctness["backends"].items():
             echo(_check_row(name, errors, reference.bound))

@@ -23,6 +23,7 @@ from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
 from vlmbatch.engine.sequence import MultimodalData, Sequence, SequenceStatus
 from vlmbatch.engine.models.vlm import FAMILIES, build_model
 from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.gpu_batch import split_media
 from vlmbatch.models.base import ModelAdapter, PreparedPrompt
 
 
@@ -149,7 +150,7 @@ class PagedEngine(Engine):
 
     def _multimodal_data(self, prompt: PreparedPrompt) -> MultimodalData:
         """Media items, the prompt positions their tokens fill, and M-RoPE positions."""
-        items = self.model.split_media(prompt.mm_inputs, prompt.mm_hashes)
+        items = split_media(self.model, prompt.mm_inputs, prompt.mm_hashes)  # pending JPEGs too
         ids = torch.tensor(prompt.prompt_token_ids)
         media_index = torch.full_like(ids, -1)
         spans, row = [], 0

@@ -6,11 +6,13 @@ batch of 50 images costs ~25,000 small kernel launches per forward. Its varlen b
 taken for attention implementations whose name contains "flash", hands over all windows
 at once with `cu_seqlens`; this implementation, registered under such a name, groups
 the windows by length and runs one batched SDPA per group (same math, any device).
+Qwen2-VL's `transformers` tower uses it; our Qwen2.5-VL tower calls `attend_segments`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,23 +21,37 @@ from torch import nn
 NAME = "flash_packed_sdpa"  # "flash" selects transformers' varlen (cu_seqlens) code path
 
 
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], scale: float | None,
+                    is_causal: bool = False) -> torch.Tensor:
+    """Attention within consecutive sequences of `lengths`: q/k/v [total, heads, dim] ->
+    [total, heads, dim]. Equal lengths (a tower's windows, one image size) are one SDPA
+    call on a view; otherwise one call per distinct length over gathered rows."""
+    if len(set(lengths)) == 1:
+        count, length = len(lengths), lengths[0]
+        batch = [t.view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]  # [n, heads, length, dim]
+        return F.scaled_dot_product_attention(*batch, scale=scale, is_causal=is_causal).transpose(1, 2).reshape(q.shape)
+    starts_by_length: dict[int, list[int]] = defaultdict(list)
+    start = 0
+    for length in lengths:
+        if length:
+            starts_by_length[length].append(start)
+        start += length
+    out = torch.empty_like(q)
+    for length, starts in starts_by_length.items():
+        rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).to(q.device)  # [n, length]
+        batch = [t[rows].transpose(1, 2) for t in (q, k, v)]  # [n, heads, length, dim]
+        attended = F.scaled_dot_product_attention(*batch, scale=scale, is_causal=is_causal)
+        out[rows] = attended.transpose(1, 2)
+    return out
+
+
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
                 scaling: float | None = None, dropout: float = 0.0, cu_seq_lens_q: torch.Tensor | None = None,
                 is_causal: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """q/k/v [1, heads, total, dim] with sequences at `cu_seq_lens_q` -> [1, total, heads, dim]."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
-    bounds = cu_seq_lens_q.tolist()
-    starts_by_length: dict[int, list[int]] = defaultdict(list)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            starts_by_length[end - start].append(start)
-    out = torch.empty_like(q)
-    for length, starts in starts_by_length.items():
-        rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).to(q.device)  # [n, length]
-        batch = [t[rows].transpose(1, 2) for t in (q, k, v)]  # [n, heads, length, dim]
-        attended = F.scaled_dot_product_attention(*batch, scale=scaling, is_causal=is_causal)
-        out[rows] = attended.transpose(1, 2)
-    return out.unsqueeze(0), None
+    lengths = cu_seq_lens_q.diff().tolist()
+    return attend_segments(q, k, v, lengths, scaling, is_causal).unsqueeze(0), None
 
 
 @torch.no_grad()

@@ -1,10 +1,12 @@
-"""Vision-language front ends: the `transformers` vision tower + our decoder.
+"""Vision-language front ends: a vision tower + our decoder.
 
-The vision encoders stay the checkpoint's own `transformers` modules (they run once per
-image, off the decode critical path); the engine batches them across the requests of a
-prefill step and caches their outputs by media content hash, so a repeated image is
-encoded once. Each family says how to split a request's processor tensors into media
-items, how to run its tower, and how to place prompt tokens (M-RoPE for Qwen).
+Qwen2.5-VL's tower is our own (`qwen_vision.py`: the same weights and arithmetic on the
+engine's kernels, several times faster than `transformers`' module on the GPU); the other
+families keep the checkpoint's own `transformers` vision modules. The engine batches the
+tower across the requests of a prefill step and caches its outputs by media content hash,
+so a repeated image is encoded once. Each family says how to split a request's processor
+tensors into media items, how to run its tower, and how to place prompt tokens (M-RoPE
+for Qwen).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from torch import nn
 
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
 from vlmbatch.engine.models.decoder import Decoder
-from vlmbatch.engine.models.aligned_mlp import align_gated_mlps
 from vlmbatch.engine.models.packed_attention import use_packed_attention
+from vlmbatch.media.gpu_batch import materialize_pending
+from vlmbatch.engine.models.qwen_vision import QwenVisionTower
 
 
 @dataclass
@@ -93,6 +96,7 @@ class VisionLanguageModel(ABC):
     def encode(self, requests: list[list[MediaItem]]) -> list[torch.Tensor]:
         """Media embeddings of each request ([media tokens, hidden], items concatenated in
         order), running the tower once per kind over all items not in the encoder cache."""
+        requests = materialize_pending(requests, self.encoder_cache, self.decoder.embed_tokens.weight.device)  # GPU JPEGs
         todo: dict[str, list[MediaItem]] = {}
         for items in requests:
             for item in items:
@@ -124,9 +128,22 @@ class QwenVL(VisionLanguageModel):
 
     def __init__(self, hf_model: nn.Module, decoder: Decoder, encoder_cache_size: int = 256):
         super().__init__(hf_model, decoder, encoder_cache_size)
-        # False: the tower keeps transformers' per-window loop (benchmarks report it: it costs ~4x)
-        self.packed_vision_attention = use_packed_attention(hf_model.model.visual)
-        align_gated_mlps(hf_model.model.visual)
+        visual = hf_model.model.visual
+        self.tower: QwenVisionTower | None = None
+        self.packed_vision_attention = False
+        if self.config.model_type == "qwen2_5_vl":
+            weight = decoder.embed_tokens.weight
+            self.tower = QwenVisionTower.from_hf(visual, weight.device, weight.dtype)
+            hf_model.model.visual = None  # ours holds the weights now
+        else:
+            # Qwen2-VL keeps transformers' tower; False: it keeps its per-window loop
+            # (benchmarks report it: it costs ~4x)
+            self.packed_vision_attention = use_packed_attention(visual)
+
+    def use_kernels(self, kernels: Any | None) -> None:
+        super().use_kernels(kernels)
+        if self.tower is not None:
+            self.tower.use_kernels(kernels)
 
     @property
     def placeholder_token_ids(self) -> dict[str, int]:
@@ -152,6 +169,8 @@ class QwenVL(VisionLanguageModel):
         pixels_key, grid_key = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos", "video_grid_thw")
         device = self.decoder.embed_tokens.weight.device
         pixels = torch.cat([i.inputs[pixels_key] for i in items]).to(device)
+        if self.tower is not None:
+            return self.tower(pixels, torch.cat([i.inputs[grid_key] for i in items]))
         grids = torch.cat([i.inputs[grid_key] for i in items]).to(device)
         encode = self.hf.model.get_image_features if kind == "image" else self.hf.model.get_video_features
         return _pooled(encode(pixels, grids))
