@@ -385,6 +385,7 @@ class RowPreparation:
     media_io_kwargs: dict[str, Any]
     columns: Any
     defaults: SamplingParams
+    defer_jpegs: bool = False  # JPEG bytes go to the engine for GPU decoding (media/gpu_batch.py)
 
 
 def _row_preparer(preparation: RowPreparation) -> Callable[[Task], PreparedRow]:
@@ -396,7 +397,8 @@ def _row_preparer(preparation: RowPreparation) -> Callable[[Task], PreparedRow]:
 
     def prepare(task: Task) -> PreparedRow:
         row_id, raw = task
-        return prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media)
+        return prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media,
+                           defer_jpegs=preparation.defer_jpegs)
 
     return prepare
 
@@ -426,6 +428,7 @@ def prepare_rows_parallel(
     max_pending: int | None = None,
     adapter: ModelAdapter | None = None,
     row_timeout: float | None = DEFAULT_ROW_TIMEOUT,
+    defer_jpegs: bool = False,
 ) -> Iterator[PreparedRow]:
     """`prepare_rows` over a pool of worker processes; rows come out in completion order.
 
@@ -442,9 +445,9 @@ def prepare_rows_parallel(
     if workers == 0:
         if adapter is None and adapter_spec is not None:
             adapter = adapter_spec.load()
-        yield from prepare_rows(source, manifest, adapter, defaults)
+        yield from prepare_rows(source, manifest, adapter, defaults, defer_jpegs)
         return
     preparation = RowPreparation(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {},
-                                 manifest.columns, defaults)
+                                 manifest.columns, defaults, defer_jpegs=defer_jpegs)
     with ProcessPool(_row_preparer, preparation, _failed_row, workers, max_pending, task_timeout=row_timeout) as pool:
         yield from pool.imap_unordered(source)

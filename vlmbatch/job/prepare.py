@@ -47,28 +47,36 @@ def prepare_row(
     adapter: ModelAdapter | None,
     media: MediaLoader,
     check_only: bool = False,
+    defer_jpegs: bool = False,
 ) -> PreparedRow:
     """Everything one row needs before the engine; errors are captured, not raised.
 
-    `check_only` (dry-run) validates without building pixel tensors.
+    `check_only` (dry-run) validates without building pixel tensors; `defer_jpegs` leaves
+    JPEG decoding to the engine (`media.gpu_batch`).
     """
     item = PreparedRow(row_id=row_id, raw=raw)
     try:
         if isinstance(raw, RowError):
             raise raw
         item.request = parse_row(row_id, raw, columns, defaults)
-        item.prepared = build_prompt(item.request, adapter, media, check_only)
+        item.prepared = build_prompt(item.request, adapter, media, check_only, defer_jpegs)
     except RowError as error:
         item.error = error
     return item
 
 
 def build_prompt(
-    request: RowRequest, adapter: ModelAdapter | None, media: MediaLoader, check_only: bool = False
+    request: RowRequest,
+    adapter: ModelAdapter | None,
+    media: MediaLoader,
+    check_only: bool = False,
+    defer_jpegs: bool = False,
 ) -> PreparedPrompt | None:
     """Load the row's media and let the model's adapter build and tokenise the prompt.
 
-    Without an adapter (queue benchmark) only the media are checked.
+    Without an adapter (queue benchmark) only the media are checked. With `defer_jpegs` a
+    row whose images are all GPU-decodable JPEGs (and which has no video) keeps their bytes
+    for the engine to decode; any other row, or any other image, takes the CPU path whole.
     """
     prompt = request.prompt
     image_refs, video_refs = list(request.image_refs), list(request.video_refs)
@@ -81,6 +89,8 @@ def build_prompt(
             prompt = adapter.apply_chat_template(messages)
         image_refs = image_refs + message_images
         video_refs = video_refs + message_videos
+    if defer_jpegs and adapter is not None and image_refs and not video_refs and not check_only:
+        return _prepare_pending(prompt or "", image_refs, adapter, media, request.sampling.max_tokens)
     load_image = media.image_size if check_only else media.image
     images = [load_image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
     videos = [media.video(ref, f"video[{i}]", request.media_io_kwargs) for i, ref in enumerate(video_refs)]
@@ -90,6 +100,25 @@ def build_prompt(
         adapter.check(prompt or "", images, videos, max_tokens=request.sampling.max_tokens)
         return None
     return adapter.prepare(prompt or "", images, videos, max_tokens=request.sampling.max_tokens)
+
+
+def _prepare_pending(
+    prompt: str, image_refs: list[Any], adapter: ModelAdapter, media: MediaLoader, max_tokens: int
+) -> PreparedPrompt:
+    """Pending JPEGs when every image is one; otherwise the CPU path, from the bytes already read."""
+    from vlmbatch.media.gpu_batch import PendingJpeg, load_image_or_jpeg
+    from vlmbatch.media.image import load_image
+
+    loaded = [
+        load_image_or_jpeg(ref, media.image_context, adapter.model_path, f"image[{i}]") for i, ref in enumerate(image_refs)
+    ]
+    if all(isinstance(image, PendingJpeg) for image in loaded):
+        return adapter.prepare_pending(prompt, loaded, max_tokens=max_tokens)
+    images = [
+        load_image(image.data, media.image_context, f"image[{i}]") if isinstance(image, PendingJpeg) else image
+        for i, image in enumerate(loaded)
+    ]
+    return adapter.prepare(prompt, images, [], max_tokens=max_tokens)
 
 
 def _with_column_media(messages: list[dict[str, Any]], num_images: int, num_videos: int) -> list[dict[str, Any]]:
@@ -112,8 +141,9 @@ def prepare_rows(
     manifest: Any,
     adapter: ModelAdapter | None,
     defaults: SamplingParams,
+    defer_jpegs: bool = False,
 ) -> Iterator[PreparedRow]:
     """Prepare rows in order, in this thread."""
     media = media_loader_for(manifest.dataset, manifest.media_io_kwargs)
     for row_id, raw in source:
-        yield prepare_row(row_id, raw, manifest.columns, defaults, adapter, media)
+        yield prepare_row(row_id, raw, manifest.columns, defaults, adapter, media, defer_jpegs=defer_jpegs)

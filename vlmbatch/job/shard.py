@@ -21,6 +21,7 @@ from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+from vlmbatch.media.gpu_batch import defer_jpegs_for
 from vlmbatch.job.prepare import PreparedRow
 from vlmbatch.job.rows import RowRequest
 
@@ -145,7 +146,8 @@ def run_shard(
     defaults = SamplingParams(**manifest.sampling)
     adapter = llm.adapter if llm is not None else None
     spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
-    prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter)
+    defer = llm is not None and defer_jpegs_for(llm.engine)  # GPU JPEG decoding: media/gpu_batch.py
+    prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter, defer_jpegs=defer)
 
     def record(row: dict[str, Any], ok: bool) -> None:
         outcome.rows.append(row)

@@ -74,6 +74,11 @@ class ModelAdapter(ABC):
         placeholder/media count mismatch, unsupported media, or a prompt that leaves
         fewer than `max_tokens` of context."""
 
+    def prepare_pending(self, prompt: str, jpegs: list[Any], max_tokens: int = 0) -> PreparedPrompt:
+        """`prepare` for JPEGs the engine decodes itself (`media.gpu_batch.PendingJpeg`):
+        identical token ids, bytes instead of pixels."""
+        raise NotImplementedError
+
     def check(
         self,
         prompt: str,

@@ -1,0 +1,189 @@
+"""JPEGs deferred to the engine (vlmbatch/media/gpu_batch.py): prompts built from the header
+size carry exactly the CPU path's token ids and grids, bad files still fail at preparation,
+the engine turns pending items into the CPU path's tensors and the same tokens, and the
+setting is refused where it cannot run.
+
+The engine side runs on the CPU here (torchvision's CPU JPEG decoder stands in for nvJPEG
+and decodes exactly as Pillow does); the CUDA comparison is marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from vlmbatch.engine.paged import PagedEngine
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.errors import ErrorType, JobError
+from vlmbatch.io.readers import ColumnMap
+from vlmbatch.job.prepare import media_loader_for, prepare_row
+from vlmbatch.media.gpu_batch import (
+    PENDING_KEY,
+    PendingJpeg,
+    defer_jpegs_for,
+    gpu_image_decode_mode,
+    materialize_prompt_inputs,
+)
+from vlmbatch.media.gpu_image import GPU_MAX_ABS_DIFF, GPU_MEAN_ABS_DIFF
+from vlmbatch.media.image import load_image
+from vlmbatch.models.registry import load_adapter
+from vlmbatch.testing.data import encode_image, exif_rotated_jpeg, image_bytes, make_image, truncated_image_bytes
+
+# Odd sizes included: smart_resize rounds each side to the patch*merge factor and scales to the bounds.
+SIZES = [(64, 48), (97, 61), (33, 200), (448, 448), (1001, 37), (28, 28)]
+QWEN_PROMPT = "<|im_start|>user\n{images}Describe.<|im_end|>\n<|im_start|>assistant\n"
+PROMPTS = {
+    "qwen2_5_vl": lambda n: QWEN_PROMPT.format(images="<|vision_start|><|image_pad|><|vision_end|>" * n),
+    "qwen2_vl": lambda n: QWEN_PROMPT.format(images="<|vision_start|><|image_pad|><|vision_end|>" * n),
+    "llava": lambda n: "USER: " + "<image>\n" * n + "Describe. ASSISTANT:",
+}
+
+
+def _jpeg(size: tuple[int, int], seed: int = 0, mode: str = "RGB") -> bytes:
+    return encode_image(make_image(*size, seed=seed, mode=mode), "JPEG", quality=90)
+
+
+def _pending(adapter, data: bytes) -> PendingJpeg:
+    with Image.open(io.BytesIO(data)) as image:
+        return PendingJpeg(data, image.width, image.height, adapter.model_path)
+
+
+def _row(tmp_path: Path, arch: str, adapter, images: list[bytes], defer: bool = True):
+    media = media_loader_for(tmp_path / "data.jsonl", None)
+    raw = {"prompt": PROMPTS[arch](len(images)), "images": images}
+    return prepare_row(0, raw, ColumnMap(), SamplingParams(max_tokens=4), adapter, media, defer_jpegs=defer)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "llava"])
+def test_header_size_tokenisation_equals_the_cpu_path(arch: str, tiny_model_dir) -> None:
+    adapter = load_adapter(str(tiny_model_dir(arch)))
+    datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES)] + [_jpeg((50, 70), 9, mode="L")]
+    for data in datas:
+        cpu = adapter.prepare(PROMPTS[arch](1), [load_image(data)], max_tokens=4)
+        deferred = adapter.prepare_pending(PROMPTS[arch](1), [_pending(adapter, data)], max_tokens=4)
+        assert deferred.prompt_token_ids == cpu.prompt_token_ids
+        if "image_grid_thw" in cpu.mm_inputs:
+            assert deferred.mm_inputs["image_grid_thw"].tolist() == cpu.mm_inputs["image_grid_thw"].tolist()
+    several = [_pending(adapter, d) for d in datas[:3]]
+    cpu = adapter.prepare(PROMPTS[arch](3), [load_image(p.data) for p in several], max_tokens=4)
+    assert adapter.prepare_pending(PROMPTS[arch](3), several, max_tokens=4).prompt_token_ids == cpu.prompt_token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_pending_inputs_become_the_cpu_path_tensors(arch: str, tiny_model_dir) -> None:
+    adapter = load_adapter(str(tiny_model_dir(arch)))
+    datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES[:4])]
+    cpu = adapter.prepare(PROMPTS[arch](4), [load_image(d) for d in datas])
+    pending = adapter.prepare_pending(PROMPTS[arch](4), [_pending(adapter, d) for d in datas])
+    materialised = materialize_prompt_inputs(pending.mm_inputs, "cpu")
+    assert sorted(materialised) == sorted(cpu.mm_inputs)
+    diff = (materialised["pixel_values"] - cpu.mm_inputs["pixel_values"]).abs()
+    assert diff.max() <= GPU_MAX_ABS_DIFF and diff.mean() <= GPU_MEAN_ABS_DIFF
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_rows_defer_only_plain_jpegs(arch: str, tiny_model_dir, tmp_path: Path) -> None:
+    adapter = load_adapter(str(tiny_model_dir(arch)))
+    jpeg, png = _jpeg((64, 48)), image_bytes(64, 48, fmt="PNG")
+    assert PENDING_KEY in _row(tmp_path, arch, adapter, [jpeg, jpeg]).prepared.mm_inputs
+    assert PENDING_KEY not in _row(tmp_path, arch, adapter, [jpeg], defer=False).prepared.mm_inputs
+    for images in ([png], [jpeg, png], [exif_rotated_jpeg(64, 32)]):  # any non-plain image: the whole row on the CPU
+        item = _row(tmp_path, arch, adapter, images)
+        assert item.error is None and "pixel_values" in item.prepared.mm_inputs
+        assert PENDING_KEY not in item.prepared.mm_inputs
+
+
+@pytest.mark.parametrize("bad", ["truncated", "corrupt_scan", "too_large"])
+def test_bad_jpegs_fail_at_preparation(bad: str, tiny_qwen: Path, tmp_path: Path) -> None:
+    adapter = load_adapter(str(tiny_qwen))
+    good = image_bytes(256, 256, seed=1, fmt="JPEG")
+    data = {
+        "truncated": truncated_image_bytes("JPEG", keep=0.5),
+        "corrupt_scan": good[:600] + bytes(len(good) - 602) + good[-2:],  # header intact, entropy data zeroed
+        "too_large": _jpeg((4000, 3000)),
+    }[bad]
+    media = media_loader_for(tmp_path / "d.jsonl", {"image": {"max_pixels": 10_000_000}} if bad != "too_large" else {"image": {"max_pixels": 1_000_000}})
+    item = prepare_row(0, {"prompt": PROMPTS["qwen2_5_vl"](1), "image": data}, ColumnMap(), SamplingParams(), adapter, media, defer_jpegs=True)
+    cpu = prepare_row(0, {"prompt": PROMPTS["qwen2_5_vl"](1), "image": data}, ColumnMap(), SamplingParams(), adapter, media)
+    expected = ErrorType.MEDIA_TOO_LARGE if bad == "too_large" else ErrorType.MEDIA_DECODE
+    assert item.error is not None and item.error.error_type == expected
+    assert cpu.error is not None and cpu.error.error_type == expected
+
+
+def test_the_setting(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = load_adapter(str(tiny_qwen))
+    engine = PagedEngine(adapter, str(tiny_qwen), dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+    assert gpu_image_decode_mode() == "auto"
+    assert not defer_jpegs_for(engine)  # auto: the CPU engine keeps the CPU path
+    assert not defer_jpegs_for(engine, "off")
+    with pytest.raises(JobError, match="needs the paged engine on a CUDA device"):
+        defer_jpegs_for(engine, "on")
+    monkeypatch.setenv("VLMBATCH_GPU_IMAGE_DECODE", "sometimes")
+    with pytest.raises(JobError, match="auto, on, off"):
+        gpu_image_decode_mode()
+
+
+def test_forced_on_without_cuda_refuses_the_job(tiny_qwen: Path, tmp_path: Path) -> None:
+    """The in-process job path: the refusal is the job's error, before any row runs."""
+    import subprocess
+    import sys
+
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    env = {"VLMBATCH_GPU_IMAGE_DECODE": "on", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "vlmbatch.cli", "submit", str(dataset), "--model", str(tiny_qwen), "--output", str(tmp_path / "out"),
+         "--device", "cpu", "--max-tokens", "2"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert done.returncode != 0
+    assert "needs the paged engine on a CUDA device" in done.stdout + done.stderr
+
+
+def _greedy(engine: PagedEngine, prompts: dict) -> dict[str, list[int]]:
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=6, temperature=0))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_engine_decodes_pending_images_to_the_same_tokens(arch: str, tiny_model_dir) -> None:
+    path = str(tiny_model_dir(arch))
+    adapter = load_adapter(path)
+    datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES[:4])]
+    rows = [[datas[0]], [datas[1], datas[2]], [datas[0]], [datas[3]]]  # a repeated image
+    engines = [PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4) for _ in range(2)]
+    cpu = _greedy(engines[0], {str(i): adapter.prepare(PROMPTS[arch](len(r)), [load_image(d) for d in r]) for i, r in enumerate(rows)})
+    pending = {str(i): adapter.prepare_pending(PROMPTS[arch](len(r)), [_pending(adapter, d) for d in r]) for i, r in enumerate(rows)}
+    assert _greedy(engines[1], pending) == cpu
+    assert engines[1].model.num_encoded_items == engines[0].model.num_encoded_items == 4  # the repeat is encoded once
+    assert all(PENDING_KEY in p.mm_inputs for p in pending.values())  # the prompts keep bytes, not pixels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_nvjpeg_path_matches_the_cpu_path_end_to_end(arch: str, tiny_model_dir) -> None:
+    path = str(tiny_model_dir(arch))
+    adapter = load_adapter(path)
+    datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES)]
+    for data in datas:
+        cpu = adapter.prepare(PROMPTS[arch](1), [load_image(data)])
+        on_gpu = materialize_prompt_inputs(adapter.prepare_pending(PROMPTS[arch](1), [_pending(adapter, data)]).mm_inputs, "cuda")
+        diff = (on_gpu["pixel_values"].cpu() - cpu.mm_inputs["pixel_values"]).abs()
+        assert diff.max() <= GPU_MAX_ABS_DIFF and diff.mean() <= GPU_MEAN_ABS_DIFF
+    engines = [PagedEngine(adapter, path, dtype="float32", device="cuda", num_kv_blocks=64, block_size=16) for _ in range(2)]
+    cpu_prompts = {str(i): adapter.prepare(PROMPTS[arch](1), [load_image(d)]) for i, d in enumerate(datas)}
+    gpu_prompts = {str(i): adapter.prepare_pending(PROMPTS[arch](1), [_pending(adapter, d)]) for i, d in enumerate(datas)}
+    assert defer_jpegs_for(engines[1], "on")
+    assert _greedy(engines[1], gpu_prompts) == _greedy(engines[0], cpu_prompts)
+    torch.cuda.synchronize()
