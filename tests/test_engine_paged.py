@@ -208,9 +208,20 @@ def test_request_longer_than_the_cache_is_a_row_error(tiny_qwen):
 
 def test_streamed_texts_grow_into_the_final_text(qwen_engine):
     adapter, engine = qwen_engine
-    engine.add_request("s", adapter.prepare(qwen_prompt("a person is riding", 0, False)),
-                       SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True))
+    prompt = adapter.prepare(qwen_prompt("a person is riding", 0, False))
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
+    engine.stream_outputs = True
+    engine.add_request("s", prompt, params)
     texts = []
-    while engine.has_unfinished_requests():
-        texts += [o.outputs[0].text for o in engine.step()]
+    try:
+        while engine.has_unfinished_requests():
+            texts += [o.outputs[0].text for o in engine.step()]
+    finally:
+        engine.stream_outputs = False
     assert len(texts) == 20 and all(texts[-1].startswith(text) for text in texts)
+    # batch mode (the default): one output, at the end, with the same text
+    engine.add_request("b", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].text) for o in outputs] == [("b", True, texts[-1])]

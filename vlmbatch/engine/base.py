@@ -16,6 +16,10 @@ from vlmbatch.models.base import ModelAdapter, PreparedPrompt
 
 class Engine(ABC):
     name: str
+    # True: `step()` returns every request that progressed, with its text so far (the
+    # server streams them). False (batch work): only finished requests, which spares a
+    # per-step output object and incremental detokenisation for every running sequence.
+    stream_outputs: bool = False
 
     def __init__(self, adapter: ModelAdapter):
         self.adapter = adapter
@@ -30,8 +34,9 @@ class Engine(ABC):
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:
-        """Advance generation; return the requests that made progress. Each output holds the
-        text and token ids so far; `finished` says whether the request is done."""
+        """Advance generation; return the requests that finished (and, with `stream_outputs`,
+        those that progressed). Each output holds the text and token ids so far; `finished`
+        says whether the request is done."""
 
     @abstractmethod
     def has_unfinished_requests(self) -> bool: ...

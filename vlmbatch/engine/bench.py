@@ -151,14 +151,14 @@ def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], worklo
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         engine.add_request(f"{workload}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     queued_s = time.perf_counter() - start
-    decode_times, generated = [], 0
+    decode_times = []
     while engine.has_unfinished_requests():
         was_decode = engine.stats.num_decode_steps
         step_start = time.perf_counter()
-        outputs = engine.step()
+        engine.step()
         if engine.stats.num_decode_steps > was_decode:
             decode_times.append(time.perf_counter() - step_start)
-        generated += sum(1 for o in outputs if o.outputs)
+    generated = engine.stats.num_generated_tokens - stats_before["num_generated_tokens"]
     seconds = time.perf_counter() - start
     stats = {k: v - stats_before[k] for k, v in asdict(engine.stats).items()}  # this run's share of the counters
     stats["add_request_s"] = queued_s

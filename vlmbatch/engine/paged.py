@@ -198,9 +198,11 @@ class PagedEngine(Engine):
         for seq, token in zip(seqs, tokens):
             self._append(seq, token)
             self.stats.num_generated_tokens += 1
-            progressed[seq.request_id] = None
             if seq.is_finished:
                 self.scheduler.remove(seq)
+                progressed[seq.request_id] = None
+            elif self.stream_outputs:
+                progressed[seq.request_id] = None
         outputs = [self._output(request_id) for request_id in progressed]
         for output in outputs:
             if output.finished:
@@ -255,15 +257,22 @@ class PagedEngine(Engine):
         if token in self.eos_token_ids and not params.ignore_eos:
             self._finish(seq, "stop", token)
             return
+        # Without stop strings or streaming, the text is decoded once, when the sequence ends.
+        if (params.stop or self.stream_outputs) and self._extend_text(seq, token):
+            return
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _extend_text(self, seq: Sequence, token: int) -> bool:
+        """Detokenise `token` onto the text; True when a stop string ended the sequence."""
         previous = len(seq.text)
         seq.text += seq.detokenizer.step(token)
-        for stop in params.stop:
+        for stop in seq.params.stop:
             at = seq.text.find(stop, max(0, previous - len(stop) + 1))
             if at >= 0:
                 self._finish(seq, "stop", stop, text=seq.text[:at])
-                return
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            self._finish(seq, "length")
+                return True
+        return False
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None, text: str | None = None) -> None:
         """The stream holds back incomplete characters; a finished text is the full decode

@@ -64,6 +64,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, batch_window_s: float = 0.005):
         self._engine = engine
+        engine.stream_outputs = True
         self._batch_window_s = batch_window_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}  # written only by the engine thread
