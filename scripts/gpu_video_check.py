@@ -1,37 +1,42 @@
 #!/usr/bin/env python3
-"""Device check for the NVDEC backend: colour agreement with OpenCV, and throughput.
+"""Device check for GPU video: NVDEC colour, NVDEC vs OpenCV throughput, GPU frames into the processor.
 
-The GPU machine has no ffmpeg and its OpenCV cannot encode h264, so make the
-h264 clips here first (into an ignored folder) and carry them with the wheel:
+The GPU machine has no ffmpeg and its OpenCV cannot encode h264, so make the h264
+clips where ffmpeg exists (into an ignored folder) and carry them with the wheel:
 
     python3 scripts/gpu_video_check.py --make-clips bench-out/gpu-video-clips      # CPU box, ffmpeg
-    python3 scripts/gpu_video_check.py --clips bench-out/gpu-video-clips           # GPU machine
-    (carry: .whl/pynvvideocodec-2.2.4-cp312-cp312-manylinux_2_28_x86_64.whl, bench-out/gpu-video-clips)
+    python3 scripts/gpu_video_check.py --clips bench-out/gpu-video-clips --json $OUT/gpu_video_check.json
+    (carry: .whl, bench-out/gpu-video-clips)
+    python3 scripts/gpu_video_check.py --clips bench-out/gpu-video-clips --no-nvdec   # CPU parts only, anywhere
 
-The wheel is installed into a temporary folder if PyNvVideoCodec is not importable.
-Without `--clips` the clips are made on the spot (ffmpeg, else OpenCV's VideoWriter,
-which on the GPU machine writes MPEG-4 part 2, not h264).
+The wheel in .whl/ is installed into a temporary folder if PyNvVideoCodec is not importable.
 
-1. Clips, 720p: 10 s untagged h264, 10 s h264 tagged BT.709, 60 s with the
-   encoder's keyframe spacing and 60 s with one keyframe per second.
-2. Decodes every frame with PyNvVideoCodec's own RGB ("before") and with the
-   vlmbatch backend (NV12 + FFmpeg's matrix, "after"), and with OpenCV; prints the
-   per-frame mean absolute difference to OpenCV, and which colour matrix explains
-   the "before" difference.
-3. Times 16 and 64 uniformly sampled frames from the 60 s clip per request:
-   NVDEC vs OpenCV (all cores), frames/s and requests/s.
-Exits 1 if any "after" frame differs from OpenCV by more than 2/255 on average.
+1. Colour: every frame of a 10 s untagged and a 10 s BT.709-tagged 720p h264 clip,
+   decoded with PyNvVideoCodec's own RGB ("before"), with the vlmbatch backend (NV12 +
+   FFmpeg's matrix, "after") and with OpenCV: per-frame mean absolute difference to
+   OpenCV, and which colour matrix explains the "before" difference. Goal: "after" <= 2/255.
+2. Throughput: 16 and 64 uniformly sampled frames per request from two 60 s 720p h264
+   clips (the encoder's keyframe spacing; one keyframe per second), `pynvvideocodec` vs
+   `opencv` (FFmpeg's default threads: all cores), one request at a time
+   (`vlmbatch.media.video.bench`): frames/s, requests/s, CPU seconds per request.
+3. GPU frames: NVDEC-decoded frames go through the tiny Qwen2.5-VL adapter as CUDA
+   tensors and as host numpy (`vlmbatch.testing.gpu_frames`): `pixel_values_videos` must
+   be on CUDA, the token ids and grids identical, the pixels within tolerance; and the
+   cost of `media_hash` on a CUDA clip (a full host copy) next to a numpy one.
+Exits 1 if a check fails; `--json` keeps every figure.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,12 +60,13 @@ def import_pynvvideocodec():
     return nvc
 
 
-def make_clip(path: Path, seconds: int, tagged_bt709: bool = False, keyint: int = 250) -> Path | None:
+def make_clip(path: Path, seconds: int, tagged_bt709: bool = False) -> Path | None:
+    """A 720p testsrc2 clip: h264 (libx264's keyframe spacing) with ffmpeg, else whatever OpenCV can encode."""
     if shutil.which("ffmpeg"):
         colour = ["-vf", "scale=out_color_matrix=bt709", "-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709"] if tagged_bt709 else []
         subprocess.run(
             ["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-f", "lavfi", "-i", f"testsrc2=size=1280x720:rate=30:duration={seconds}",
-             *colour, "-c:v", "libx264", "-preset", "veryfast", "-crf", "28", "-pix_fmt", "yuv420p", "-g", str(keyint), str(path)],
+             *colour, "-c:v", "libx264", "-preset", "veryfast", "-crf", "28", "-pix_fmt", "yuv420p", str(path)],
             check=True,
         )
         return path
@@ -106,7 +112,7 @@ def per_frame_diff(gpu_frames, cpu_frames):
     return (gpu_frames.to(torch.int16) - cpu).abs().float().mean(dim=(1, 2, 3)).cpu()
 
 
-def colour_check(nvc, path: Path) -> float:
+def colour_check(nvc, path: Path) -> dict:
     import torch
 
     from vlmbatch.media.video import load_video, parse_video_options
@@ -147,48 +153,102 @@ def colour_check(nvc, path: Path) -> float:
           f"over {ours.num_frames} frames")
     print(f"full decode: OpenCV {count / cpu_seconds:.0f} fps, NVDEC (library RGB) {count / nvdec_seconds:.0f} fps, "
           f"vlmbatch pynvvideocodec {ours.num_frames / ours_seconds:.0f} fps (incl. probe)")
-    return float(after.max())
+    return {
+        "clip": path.name, "frames": ours.num_frames,
+        "before_mean": float(before.mean()), "before_max": float(before.max()),
+        "after_mean": float(after.mean()), "after_max": float(after.max()),
+        "full_decode_fps": {"opencv": count / cpu_seconds, "nvdec_library_rgb": count / nvdec_seconds,
+                            "vlmbatch_pynvvideocodec": ours.num_frames / ours_seconds},
+    }
 
 
-def throughput(path: Path, repeats: int = 5) -> None:
+LONG_CLIP = {"seconds": 60, "width": 1280, "height": 720, "crf": 30}  # crf 30: both clips fit the upload limit (~16 MB)
+
+
+def throughput(clip_dir: Path, backends: list[str], requests: int) -> list[dict]:
+    """Sampled-frame loads, one request at a time, on both 60 s clips (`vlmbatch bench video`'s loop)."""
+    from vlmbatch.media.video.bench import run_video_bench
+
+    print(f"\n== sampled-frame throughput, 60 s 720p h264, one request at a time, {os.cpu_count()} CPU cores")
+    print(f"  {'clip':12s} {'frames':>6s} {'backend':15s} {'frames/s':>9s} {'requests/s':>10s} {'CPU s/req':>9s}  same frames")
+
+    def show(r) -> None:
+        print(f"  {r.clip:12s} {r.frames:6d} {r.backend:15s} {r.frames_per_s:9.1f} {r.requests_per_s:10.2f} "
+              f"{r.cpu_seconds / r.requests:9.2f}  {r.frame_indices_match}")
+
+    results = run_video_bench(clip_dir, backends, [16, 64], [1], requests, LONG_CLIP["seconds"], LONG_CLIP["width"],
+                              LONG_CLIP["height"], on_result=show, crf=LONG_CLIP["crf"])
+    return [asdict(r) for r in results]
+
+
+def gpu_frames_check(clip_dir: Path, backend: str, device: str) -> dict:
+    """Frames from `backend` through the tiny Qwen2.5-VL adapter on `device` vs the host path,
+    and what hashing a 64-frame clip costs from the device and from numpy."""
+    import numpy as np
     import torch
 
     from vlmbatch.media.video import load_video, parse_video_options
+    from vlmbatch.media.video.bench import make_bench_clip
+    from vlmbatch.models.processor_adapter import media_hash
+    from vlmbatch.models.registry import load_adapter
+    from vlmbatch.testing.gpu_frames import MAX_ABS_DIFF, MEAN_ABS_DIFF, compare_on_device, within_tolerance
+    from vlmbatch.testing.tiny import make_tiny_model
 
-    print(f"\n== sampled-frame throughput, {path.name} (60 s 720p h264), {os.cpu_count()} CPU cores")
-    for frames in (16, 64):
-        for backend in ("opencv", "pynvvideocodec"):
-            options = parse_video_options({"backend": backend, "num_frames": frames})
-            load_video(str(path), options)  # warm-up: decoder sessions, CUDA context
-            started = time.perf_counter()
-            for _ in range(repeats):
-                load_video(str(path), options)
+    path = make_bench_clip(clip_dir, "default_gop", LONG_CLIP["seconds"], LONG_CLIP["width"], LONG_CLIP["height"],
+                           crf=LONG_CLIP["crf"])
+    adapter = load_adapter(str(make_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-qwen-")), "qwen2_5_vl")))
+    video = load_video(str(path), parse_video_options({"backend": backend, "num_frames": 16}))
+    result = compare_on_device(adapter, video, device)
+    result.update(backend=backend, decoded_on=str(getattr(video.frames, "device", "cpu")),
+                  tolerance={"max_abs_diff": MAX_ABS_DIFF, "mean_abs_diff": MEAN_ABS_DIFF})
+    result["ok"] = within_tolerance(result) and result["device"].startswith(device)
+    long = load_video(str(path), parse_video_options({"backend": backend, "num_frames": 64}))
+    frames = long.frames if isinstance(long.frames, torch.Tensor) else torch.from_numpy(long.frames)
+    hash_ms = {}
+    for name, pixels in (("numpy", frames.cpu().numpy()), (device, frames.to(device))):
+        media_hash(replace(long, frames=pixels))  # warm
+        if device != "cpu":
             torch.cuda.synchronize()
-            seconds = (time.perf_counter() - started) / repeats
-            print(f"  {frames:3d} frames  {backend:15s} {frames / seconds:8.1f} frames/s  {1 / seconds:6.2f} requests/s")
+        started = time.perf_counter()
+        media_hash(replace(long, frames=pixels))
+        hash_ms[name] = 1000 * (time.perf_counter() - started)
+    result["media_hash_ms_64x720p"] = hash_ms
+    print(f"\n== GPU frames into the processor (tiny Qwen2.5-VL, {backend} frames on {result['decoded_on']})")
+    print(f"  pixel_values_videos on {result['device']}; tokens equal {result['tokens_equal']}, grids equal "
+          f"{result['grid_equal']}, hashes equal {result['hash_equal']}; vs the host path: max {result['max_abs_diff']:.4f} "
+          f"(limit {MAX_ABS_DIFF}), mean {result['mean_abs_diff']:.5f} (limit {MEAN_ABS_DIFF}) -> "
+          f"{'ok' if result['ok'] else 'FAILED'}")
+    print(f"  media_hash of 64 frames {tuple(np.shape(frames))}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in hash_ms.items()))
+    return result
 
 
-# name -> (seconds, tagged BT.709, keyframe interval)
-CLIPS = {
-    "untagged_720p.mp4": (10, False, 250),
-    "bt709_720p.mp4": (10, True, 250),
-    "long_720p.mp4": (60, False, 250),
-    "long_720p_key1s.mp4": (60, False, 30),
-}
+# Colour clips: name -> (seconds, tagged BT.709); the 60 s clips come from `make_bench_clip`.
+CLIPS = {"untagged_720p.mp4": (10, False), "bt709_720p.mp4": (10, True)}
 
 
 def make_clips(directory: Path) -> dict[str, Path | None]:
     """The clip set in `directory`, making those that are missing (None: cannot be made here)."""
+    from vlmbatch.media.video.bench import CLIP_KINDS, make_bench_clip
+
     directory.mkdir(parents=True, exist_ok=True)
     clips: dict[str, Path | None] = {}
-    for name, (seconds, tagged, keyint) in CLIPS.items():
+    for name, (seconds, tagged) in CLIPS.items():
         path = directory / name
-        if not path.exists() and (keyint == 250 or shutil.which("ffmpeg")):
+        if not path.exists():
             partial = path.with_suffix(".partial.mp4")  # an interrupted run leaves no half clip behind
-            if make_clip(partial, seconds, tagged_bt709=tagged, keyint=keyint) is not None:
+            if make_clip(partial, seconds, tagged_bt709=tagged) is not None:
                 partial.replace(path)
         clips[name] = path if path.exists() else None
-        print(f"clip {name}: {path if path.exists() else 'not available (needs ffmpeg)'}")
+    for label in CLIP_KINDS:
+        name = f"{label}_{LONG_CLIP['width']}x{LONG_CLIP['height']}_{LONG_CLIP['seconds']}s_crf{LONG_CLIP['crf']}.mp4"
+        if (directory / name).exists() or shutil.which("ffmpeg"):
+            clips[name] = make_bench_clip(directory, label, LONG_CLIP["seconds"], LONG_CLIP["width"], LONG_CLIP["height"],
+                                          crf=LONG_CLIP["crf"])
+        else:
+            clips[name] = None
+    for name, path in clips.items():
+        size = f"{path.stat().st_size / 1e6:.1f} MB" if path else "not available (needs ffmpeg)"
+        print(f"clip {name}: {path or ''} {size}")
     return clips
 
 
@@ -198,6 +258,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clips", help="folder of pre-made clips (made with --make-clips where ffmpeg exists)")
     parser.add_argument("--make-clips", metavar="DIR", help="only make the clips into DIR (needs ffmpeg for h264) and exit")
+    parser.add_argument("--no-nvdec", action="store_true", help="CPU parts only (OpenCV throughput, frames check on the CPU)")
+    parser.add_argument("--requests", type=int, default=3, help="timed requests per backend, clip and frame count")
+    parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # a run cut short still shows what it measured
     if args.make_clips:
@@ -205,19 +268,39 @@ def main() -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device")
-    nvc = import_pynvvideocodec()
-    clips = make_clips(Path(args.clips) if args.clips else Path(tempfile.mkdtemp(prefix="gpu-video-")))
-    worst = 0.0
-    for name in ("untagged_720p.mp4", "bt709_720p.mp4"):
-        if clips.get(name) is not None:
-            worst = max(worst, colour_check(nvc, clips[name]))
-    for name in ("long_720p.mp4", "long_720p_key1s.mp4"):
-        if clips.get(name) is not None:
-            throughput(clips[name])
-    print(f"\nworst per-frame difference after the fix: {worst:.3f}/255 (limit {LIMIT})")
-    return 0 if worst <= LIMIT else 1
+    clip_dir = Path(args.clips) if args.clips else Path(tempfile.mkdtemp(prefix="gpu-video-"))
+    clips = make_clips(clip_dir)
+    report: dict = {"cpu_cores": os.cpu_count(), "nvdec": not args.no_nvdec, "colour": [], "colour_limit": LIMIT}
+    if args.no_nvdec:
+        backends, device = ["opencv"], "cpu"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device (use --no-nvdec for the CPU parts)")
+        nvc = import_pynvvideocodec()
+        report["device"] = torch.cuda.get_device_name()
+        backends, device = ["pynvvideocodec", "opencv"], "cuda"
+        for name in CLIPS:
+            if clips.get(name) is not None:
+                report["colour"].append(colour_check(nvc, clips[name]))
+    ok = all(c["after_max"] <= LIMIT for c in report["colour"])
+    long_clips = [name for name in clips if name not in CLIPS]
+    if all(clips[name] is not None for name in long_clips):
+        report["throughput"] = throughput(clip_dir, backends, args.requests)
+        report["gpu_frames"] = gpu_frames_check(clip_dir, backends[0], device)
+        ok = ok and report["gpu_frames"]["ok"] and all(r["frame_indices_match"] for r in report["throughput"])
+    else:
+        print("the 60 s clips are missing: make them with --make-clips where ffmpeg exists")
+        ok = False
+    if report["colour"]:
+        worst = max(c["after_max"] for c in report["colour"])
+        print(f"\nworst per-frame colour difference after the fix: {worst:.3f}/255 (limit {LIMIT})")
+    report["ok"] = ok
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -44,19 +44,26 @@ class BenchResult:
     slowdown_vs_best: float = 1.0
 
 
-def make_bench_clip(directory: Path, label: str, seconds: int, width: int, height: int, fps: int = 30) -> Path:
-    """A `testsrc2` h264 clip, made once and kept in `directory` (encoding is the slow part)."""
+def make_bench_clip(
+    directory: Path, label: str, seconds: int, width: int, height: int, fps: int = 30, crf: int | None = None
+) -> Path:
+    """A `testsrc2` h264 clip, made once and kept in `directory` (encoding is the slow part).
+
+    `crf` (libx264's default 23 if None) trades size for quality: clips carried to the GPU
+    machine use a higher one to fit its upload limit."""
     keyint = CLIP_KINDS[label]
-    path = directory / f"{label}_{width}x{height}_{seconds}s.mp4"
+    quality = f"_crf{crf}" if crf is not None else ""
+    path = directory / f"{label}_{width}x{height}_{seconds}s{quality}.mp4"
     if path.exists():
         return path
     directory.mkdir(parents=True, exist_ok=True)
     gop = ["-g", str(keyint)] if keyint else []
+    rate = ["-crf", str(crf)] if crf is not None else []
     partial = path.with_suffix(".partial.mp4")
     subprocess.run(
         ["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-f", "lavfi",
          "-i", f"testsrc2=size={width}x{height}:rate={fps}:duration={seconds}",
-         "-c:v", "libx264", "-preset", "veryfast", "-pix_fmt", "yuv420p", *gop, str(partial)],
+         "-c:v", "libx264", "-preset", "veryfast", *rate, "-pix_fmt", "yuv420p", *gop, str(partial)],
         check=True,
     )
     partial.replace(path)
@@ -106,10 +113,11 @@ def run_video_bench(
     width: int,
     height: int,
     on_result: Callable[[BenchResult], None] = lambda result: None,
+    crf: int | None = None,
 ) -> list[BenchResult]:
     results: list[BenchResult] = []
     for label in CLIP_KINDS:
-        path = make_bench_clip(clip_dir, label, seconds, width, height)
+        path = make_bench_clip(clip_dir, label, seconds, width, height, crf=crf)
         for backend in backends:  # not timed: library imports (torch), CUDA context, decoder sessions
             load_video(str(path), parse_video_options({"backend": backend, "num_frames": 2, "max_duration": 1.0}))
         for frames in frame_counts:
