@@ -20,6 +20,12 @@ BrokerOption = typer.Option(
 )
 DtypeOption = typer.Option("auto", "--dtype", envvar="VLMBATCH_DTYPE", help="Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
 DeviceOption = typer.Option("auto", "--device", envvar="VLMBATCH_DEVICE", help="auto, cpu, cuda or cuda:N.")
+GpuImageDecodeOption = typer.Option(
+    None,
+    "--gpu-image-decode",
+    help="JPEG decoding on the engine's GPU (nvJPEG), in batches: auto (on for the paged engine on CUDA), on, off. "
+    "Unset: the worker's VLMBATCH_GPU_IMAGE_DECODE, else auto. See docs/preprocessing.md.",
+)
 MediaIoKwargsOption = typer.Option(
     None,
     "--media-io-kwargs",

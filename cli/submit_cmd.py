@@ -12,6 +12,7 @@ from vlmbatch.cli.options import (
     BrokerOption,
     DeviceOption,
     DtypeOption,
+    GpuImageDecodeOption,
     EngineOption,
     MediaIoKwargsOption,
     ModelOption,
@@ -45,6 +46,7 @@ def submit(
     device: str = DeviceOption,
     wait: bool = typer.Option(False, "--wait", help="With --broker: follow the job with a progress bar until it ends."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
+    gpu_image_decode: Optional[str] = GpuImageDecodeOption,
 ) -> None:
     """Run DATASET through MODEL; results land in OUTPUT/JOB/results/*.parquet.
 
@@ -54,6 +56,7 @@ def submit(
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.errors import JobError
     from vlmbatch.io.readers import ColumnMap
+    from vlmbatch.media.gpu_batch import defer_jpegs_for, gpu_image_decode_mode
     from vlmbatch import job as jobs
 
     console = Console(stderr=True)
@@ -67,6 +70,8 @@ def submit(
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
     template = chat_template.read_text() if chat_template else None
     try:
+        if gpu_image_decode is not None:  # a typo fails before anything is written
+            gpu_image_decode = gpu_image_decode_mode(gpu_image_decode)
         if dry_run:
             report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media, chat_template=template)
             jobs.print_dry_run(report, console)
@@ -78,6 +83,9 @@ def submit(
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
+    if gpu_image_decode is not None:  # the job's own choice; workers without it use their environment
+        manifest.extra["gpu_image_decode"] = gpu_image_decode
+        manifest.save()
     print(manifest.job_id, flush=True)
     if manifest.num_rows == 0:
         console.print(f"dataset is empty: wrote an empty typed result to {job_dir}")
@@ -90,6 +98,11 @@ def submit(
             raise typer.Exit(follow_job(job_dir, broker, console=console))
         return
     llm = jobs.load_llm(model, engine=engine, dtype=dtype, device=device, chat_template=template)
+    try:
+        defer_jpegs_for(llm.engine, manifest.extra.get("gpu_image_decode"))
+    except JobError as exc:  # e.g. forced on without CUDA: refused before any row runs
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2)
     elapsed = jobs.run_job_locally(manifest, job_dir, llm, console=console)
     jobs.print_summary(job_dir, console, elapsed_s=elapsed)
 

@@ -115,6 +115,30 @@ def test_bad_jpegs_fail_at_preparation(bad: str, tiny_qwen: Path, tmp_path: Path
     assert cpu.error is not None and cpu.error.error_type == expected
 
 
+def test_pool_workers_pass_pending_jpegs_and_row_errors(tiny_qwen: Path, tmp_path: Path) -> None:
+    """Through real worker processes: same ids and grids as the CPU path, bytes instead of pixels."""
+    from vlmbatch.io.manifest import Manifest
+    from vlmbatch.io.readers import open_dataset
+    from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+    from vlmbatch.testing.data import write_image_dataset
+
+    dataset = write_image_dataset(tmp_path / "rows.jsonl", 8, image_mode="data_url", image_format="JPEG", bad_rows={2: "corrupt"})
+    reader = open_dataset(dataset)
+    manifest = Manifest.for_dataset(reader, output_dir=tmp_path / "out", model=str(tiny_qwen), engine="auto",
+                                    sampling={"max_tokens": 4}, shard_size=100)  # fmt: skip
+    rows = [row for batch in reader.iter_rows() for row in batch]
+    spec, defaults = AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4)
+    cpu = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=0)}
+    pending = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=2, defer_jpegs=True)}
+    assert sorted(pending) == sorted(cpu)
+    assert pending[2].error is not None and pending[2].error.error_type == cpu[2].error.error_type == ErrorType.MEDIA_DECODE
+    for row_id, item in pending.items():
+        if row_id != 2:
+            assert item.prepared.prompt_token_ids == cpu[row_id].prepared.prompt_token_ids
+            assert PENDING_KEY in item.prepared.mm_inputs
+            assert item.prepared.mm_inputs["image_grid_thw"].tolist() == cpu[row_id].prepared.mm_inputs["image_grid_thw"].tolist()
+
+
 def test_the_setting(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     adapter = load_adapter(str(tiny_qwen))
     engine = PagedEngine(adapter, str(tiny_qwen), dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
@@ -128,21 +152,29 @@ def test_the_setting(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         gpu_image_decode_mode()
 
 
-def test_forced_on_without_cuda_refuses_the_job(tiny_qwen: Path, tmp_path: Path) -> None:
-    """The in-process job path: the refusal is the job's error, before any row runs."""
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_forced_on_without_cuda_refuses_the_job(how: str, tiny_qwen: Path, tmp_path: Path) -> None:
+    """The in-process job path: `submit` refuses with the reason, before any row runs."""
+    import os
     import subprocess
     import sys
 
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text(json.dumps({"prompt": "hello"}) + "\n")
-    env = {"VLMBATCH_GPU_IMAGE_DECODE": "on", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-m", "vlmbatch.cli", "submit", str(dataset), "--model", str(tiny_qwen), "--output", str(tmp_path / "out"),
-         "--device", "cpu", "--max-tokens", "2"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert done.returncode != 0
-    assert "needs the paged engine on a CUDA device" in done.stdout + done.stderr
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "VLMBATCH_PREPROCESS_WORKERS": "0"}
+    args = [sys.executable, "-m", "vlmbatch.cli", "submit", str(dataset), "--model", str(tiny_qwen),
+            "--output", str(tmp_path / "out"), "--device", "cpu", "--max-tokens", "2"]  # fmt: skip
+    if how == "flag":
+        args += ["--gpu-image-decode", "on"]
+    else:
+        env["VLMBATCH_GPU_IMAGE_DECODE"] = "on"
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "needs the paged engine on a CUDA device" in done.stderr
+    assert not list((tmp_path / "out").glob("*/results/*.parquet"))
+    if how == "flag":
+        typo = subprocess.run(args[:-1] + ["sometimes"], capture_output=True, text=True, env=env, timeout=300)
+        assert typo.returncode == 2 and "auto, on, off" in typo.stderr
 
 
 def _greedy(engine: PagedEngine, prompts: dict) -> dict[str, list[int]]:
@@ -187,3 +219,38 @@ def test_nvjpeg_path_matches_the_cpu_path_end_to_end(arch: str, tiny_model_dir) 
     assert defer_jpegs_for(engines[1], "on")
     assert _greedy(engines[1], gpu_prompts) == _greedy(engines[0], cpu_prompts)
     torch.cuda.synchronize()
+
+
+def _job_results(model: Path, tmp_path: Path, device: str, modes: tuple[str, ...]) -> dict[str, list[tuple]]:
+    """Run one JPEG Parquet job (a corrupt row included) in-process once per GPU-decode mode."""
+    import pyarrow.parquet as pq
+
+    from vlmbatch import job as jobs
+    from vlmbatch.testing.data import write_image_dataset
+
+    dataset = write_image_dataset(tmp_path / "rows.parquet", 12, fmt="parquet", image_mode="bytes", image_format="JPEG",
+                                  bad_rows={3: "corrupt"})  # fmt: skip
+    llm = jobs.load_llm(str(model), engine="paged", dtype="float32", device=device)
+    results = {}
+    for mode in modes:
+        manifest, job_dir = jobs.plan_job(dataset, str(model), tmp_path / mode, sampling=SamplingParams(max_tokens=8), shard_size=5)
+        manifest.extra["gpu_image_decode"] = mode
+        manifest.save()
+        jobs.run_job_locally(manifest, job_dir, llm, show_progress=False)
+        table = pq.read_table(job_dir / "results").sort_by("row_id").to_pylist()
+        results[mode] = [(r["row_id"], r["generated_text"], r["num_input_tokens"], r["error_type"]) for r in table]
+    return results
+
+
+def test_the_job_setting_travels_in_the_manifest(tiny_qwen: Path, tmp_path: Path) -> None:
+    results = _job_results(tiny_qwen, tmp_path, "cpu", ("auto", "off"))
+    assert results["auto"] == results["off"]
+    assert results["off"][3][3] == ErrorType.MEDIA_DECODE and sum(r[3] is None for r in results["off"]) == 11
+
+
+@pytest.mark.gpu
+def test_a_job_with_gpu_decode_on_gives_the_same_results_as_off(tiny_qwen: Path, tmp_path: Path) -> None:
+    """In-process job, paged engine on CUDA in fp32: JPEG rows (and a corrupt one) end alike."""
+    results = _job_results(tiny_qwen, tmp_path, "cuda", ("on", "off"))
+    assert results["on"] == results["off"]
+    assert results["on"][3][3] == ErrorType.MEDIA_DECODE and sum(r[3] is None for r in results["on"]) == 11

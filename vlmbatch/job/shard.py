@@ -146,7 +146,7 @@ def run_shard(
     defaults = SamplingParams(**manifest.sampling)
     adapter = llm.adapter if llm is not None else None
     spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
-    defer = llm is not None and defer_jpegs_for(llm.engine)  # GPU JPEG decoding: media/gpu_batch.py
+    defer = llm is not None and defer_jpegs_for(llm.engine, manifest.extra.get("gpu_image_decode"))  # media/gpu_batch.py
     prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter, defer_jpegs=defer)
 
     def record(row: dict[str, Any], ok: bool) -> None:
