@@ -213,12 +213,57 @@ def gpu_frames_check(clip_dir: Path, backend: str, device: str) -> dict:
         media_hash(replace(long, frames=pixels))
         hash_ms[name] = 1000 * (time.perf_counter() - started)
     result["media_hash_ms_64x720p"] = hash_ms
+    result["real_size"] = [real_size_processing(v, device) for v in (video, long)]
     print(f"\n== GPU frames into the processor (tiny Qwen2.5-VL, {backend} frames on {result['decoded_on']})")
     print(f"  pixel_values_videos on {result['device']}; tokens equal {result['tokens_equal']}, grids equal "
           f"{result['grid_equal']}, hashes equal {result['hash_equal']}; vs the host path: max {result['max_abs_diff']:.4f} "
           f"(limit {MAX_ABS_DIFF}), mean {result['mean_abs_diff']:.5f} (limit {MEAN_ABS_DIFF}) -> "
           f"{'ok' if result['ok'] else 'FAILED'}")
     print(f"  media_hash of 64 frames {tuple(np.shape(frames))}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in hash_ms.items()))
+    for r in result["real_size"]:
+        print(f"  Qwen2.5-VL-size video processor, {r['frames']} frames: pixel_values_videos {r['shape']} "
+              f"({r['megabytes']:.0f} MB float32, {r['tokens']} tokens); host {r['host_ms']:.0f} ms, "
+              f"{device} {r['device_ms']:.0f} ms; max diff {r['max_abs_diff']:.4f}, mean {r['mean_abs_diff']:.5f}")
+    result["ok"] = result["ok"] and all(r["ok"] for r in result["real_size"])
+    return result
+
+
+def real_size_processing(video, device: str) -> dict:
+    """The video processor at the library's (Qwen2.5-VL's) frame sizes, not the tiny
+    checkpoint's: what keeping frames on the GPU saves per row, and what a row's
+    `pixel_values_videos` then occupies on the device."""
+    import torch
+    from transformers import Qwen2VLVideoProcessor
+
+    from vlmbatch.testing.gpu_frames import MAX_ABS_DIFF, MEAN_ABS_DIFF
+
+    processor = Qwen2VLVideoProcessor()
+    options = {"do_sample_frames": False, "return_tensors": "pt"}
+    if getattr(processor, "cap_pixels_per_frame", False) is None:  # as the adapter chooses
+        options["cap_pixels_per_frame"] = True
+    frames = video.frames if isinstance(video.frames, torch.Tensor) else torch.from_numpy(video.frames)
+    host_frames, device_frames = frames.cpu().numpy(), frames.to(device)
+    timings = {}
+    for name, pixels, extra in (("host", host_frames, {}), ("device", device_frames, {"device": device})):
+        for _ in range(2):  # the first call warms kernels and allocators
+            if device != "cpu":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            out = processor(videos=[pixels], **options, **extra)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            timings[name] = (1000 * (time.perf_counter() - started), out)
+    host, on_device = timings["host"][1]["pixel_values_videos"], timings["device"][1]["pixel_values_videos"]
+    diff = (on_device.float().cpu() - host).abs()
+    grid = timings["host"][1]["video_grid_thw"]
+    result = {
+        "frames": int(frames.shape[0]), "shape": list(host.shape), "on": str(on_device.device),
+        "megabytes": host.numel() * host.element_size() / 1e6, "tokens": int(grid.prod()) // 4,
+        "host_ms": timings["host"][0], "device_ms": timings["device"][0],
+        "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+    }
+    result["ok"] = (result["on"].startswith(device) and torch.equal(timings["device"][1]["video_grid_thw"].cpu(), grid)
+                    and result["max_abs_diff"] <= MAX_ABS_DIFF and result["mean_abs_diff"] <= MEAN_ABS_DIFF)
     return result
 
 
