@@ -89,18 +89,20 @@ def real_model(path: str, dtype: torch.dtype, device: torch.device):
 
 
 # ---- workloads ------------------------------------------------------------------------
-def w1_prompts(adapter, count: int, seed: int = 0) -> list[PreparedPrompt]:
+def w1_prompts(adapter, count: int, seed: int = 0, pixel_dtype: torch.dtype = torch.float32) -> list[PreparedPrompt]:
     """`count` 288-token prompts, each with its own 448x448 image (256 tokens after the merge).
 
     Pixels are random and shared (content does not change the cost); each request gets
-    its own content hash, so nothing is served from the encoder or prefix caches."""
+    its own content hash, so nothing is served from the encoder or prefix caches. Jobs'
+    preprocessing pools deliver pixels in the engine's dtype (`pixel_dtype`): what the
+    tower computes in, and half the bytes of float32 to copy to the GPU."""
     config = adapter.config
     rng = random.Random(seed)
     specials = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
     words = [t for t in range(100, len(adapter.tokenizer)) if t not in specials and t not in adapter.eos_token_ids]
     side = int(IMAGE_TOKENS**0.5) * 2  # patches per side before the 2x2 merge
     patch = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
-    pixels = torch.randn(side * side, patch)
+    pixels = torch.randn(side * side, patch).to(pixel_dtype)
     grid = torch.tensor([[1, side, side]])
     text = PROMPT_TOKENS - IMAGE_TOKENS - 2
     prompts = []
@@ -134,6 +136,10 @@ class RunResult:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def _dtype(engine) -> torch.dtype:
+    return engine.model.decoder.embed_tokens.weight.dtype
 
 
 def _sync(device: torch.device) -> None:
@@ -311,7 +317,7 @@ def decode_roofline(engine, adapter, batch: int, ceilings: dict[str, float], ste
     """Measured decode-step time at `batch` sequences (at most the engine's max_num_seqs)
     vs the time the ceilings allow."""
     batch = min(batch, engine.scheduler.max_num_seqs)
-    prompts = w1_prompts(adapter, batch, seed=batch)
+    prompts = w1_prompts(adapter, batch, seed=batch, pixel_dtype=_dtype(engine))
     result = run_engine(engine, prompts, [steps] * batch, f"decode-b{batch}")
     context = PROMPT_TOKENS + steps // 2
     nbytes, flops = decode_step_cost(engine.model.decoder, batch, context)
@@ -328,7 +334,7 @@ def profile_vision(engine, adapter, images: int = 56, top: int = 10) -> dict[str
     prefill step of W1 encodes) and its costliest ops: the tower dominated W1 once."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = w1_prompts(adapter, images, seed=20_000)
+    prompts = w1_prompts(adapter, images, seed=20_000, pixel_dtype=_dtype(engine))
     items = [engine.model.split_media(p.mm_inputs, p.mm_hashes) for p in prompts]
     engine.model.encode(items[:2])  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
@@ -355,7 +361,7 @@ def profile_decode(engine, adapter, batch: int, steps: int = 8, top: int = 12) -
     from torch.profiler import ProfilerActivity, profile
 
     batch = min(batch, engine.scheduler.max_num_seqs)
-    for i, prompt in enumerate(w1_prompts(adapter, batch, seed=10_000 + batch)):
+    for i, prompt in enumerate(w1_prompts(adapter, batch, seed=10_000 + batch, pixel_dtype=_dtype(engine))):
         engine.add_request(f"profile-{i}", prompt, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
     while engine.stats.num_decode_steps == 0 or engine.scheduler.waiting:
         engine.step()
@@ -483,7 +489,7 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
     with tempfile.TemporaryDirectory() as tmp:
         adapter, hf_model = real_model(options.model, dtype, device) if options.model else random_model(options.shape, Path(tmp), dtype, device)
         for workload in options.workloads:
-            lengths, prompts = output_lengths(workload, options.peer_requests), w1_prompts(adapter, options.peer_requests)
+            lengths, prompts = output_lengths(workload, options.peer_requests), w1_prompts(adapter, options.peer_requests, pixel_dtype=dtype)
             for batch_size in options.peer_batches if workload == "w1" else sorted(options.peer_batches)[-1:]:
                 result = phases.run(f"peer-{workload}-b{batch_size}", run_peer, hf_model, adapter, prompts, lengths, batch_size, workload, device)
                 if result is not None:
@@ -500,7 +506,7 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         if correctness["fastest_backend"] is not None:
             engine.runner.use_backend(create_backend(correctness["fastest_backend"], device))
         for number, workload in enumerate(options.workloads):  # fresh prompts and images: no cache hits across runs
-            prompts = w1_prompts(adapter, options.requests, seed=100 + number)
+            prompts = w1_prompts(adapter, options.requests, seed=100 + number, pixel_dtype=dtype)
             result = phases.run(f"paged-{workload}", run_engine, engine, prompts, output_lengths(workload, options.requests), workload)
             if result is not None:
                 record(result)

@@ -48,6 +48,12 @@ def _pooled(features: Any) -> torch.Tensor:
     return features.reshape(-1, features.shape[-1])
 
 
+def _on_device(items: list[MediaItem], key: str, device: torch.device) -> torch.Tensor:
+    """The items' `key` tensors concatenated on `device`: each is copied as it is (no
+    host-side concatenation of a batch's pixels, which stalls the GPU for a large copy)."""
+    return torch.cat([item.inputs[key].to(device, non_blocking=True) for item in items])
+
+
 class VisionLanguageModel(ABC):
     """Our decoder plus the family's vision tower and prompt-position rules."""
 
@@ -168,7 +174,7 @@ class QwenVL(VisionLanguageModel):
     def _encode_batch(self, kind, items):
         pixels_key, grid_key = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos", "video_grid_thw")
         device = self.decoder.embed_tokens.weight.device
-        pixels = torch.cat([i.inputs[pixels_key] for i in items]).to(device)
+        pixels = _on_device(items, pixels_key, device)
         if self.tower is not None:
             return self.tower(pixels, torch.cat([i.inputs[grid_key] for i in items]))
         grids = torch.cat([i.inputs[grid_key] for i in items]).to(device)
@@ -230,7 +236,7 @@ class Llava(VisionLanguageModel):
 
     def _encode_batch(self, kind, items):
         device = self.decoder.embed_tokens.weight.device
-        pixels = torch.cat([i.inputs["pixel_values"] for i in items]).to(device, self.hf.dtype)
+        pixels = _on_device(items, "pixel_values", device).to(self.hf.dtype)
         return _pooled(self.hf.model.get_image_features(
             pixel_values=pixels,
             vision_feature_layer=self.config.vision_feature_layer,
