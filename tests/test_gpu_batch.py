@@ -233,7 +233,7 @@ def _job_results(model: Path, tmp_path: Path, device: str, modes: tuple[str, ...
     llm = jobs.load_llm(str(model), engine="paged", dtype="float32", device=device)
     results = {}
     for mode in modes:
-        manifest, job_dir = jobs.plan_job(dataset, str(model), tmp_path / mode, sampling=SamplingParams(max_tokens=8), shard_size=5)
+        manifest, job_dir = jobs.plan_job(dataset, str(model), tmp_path / mode, sampling=SamplingParams(max_tokens=8, temperature=0.0), shard_size=5)
         manifest.extra["gpu_image_decode"] = mode
         manifest.save()
         jobs.run_job_locally(manifest, job_dir, llm, show_progress=False)
