@@ -17,7 +17,15 @@ dataset from the moment it is queued to its last committed part, and stops its w
 so run B starts with empty caches too. Without CUDA both runs use CPU workers (B: two
 `--gpus cpu` commands) for a smoke test with `--shape tiny`.
 
-Prints timestamped progress and a table; writes scaling.json into $OUT (or the current
+Where each shard's time went comes from the `shard timing` line every worker process logs
+per shard (vlmbatch/job/shard.py): per process, rows/s, the seconds its engine sat idle
+waiting for prepared rows, the seconds in engine steps, the rest (result rows, part
+writes, queue hand-over), its preprocessing pool's size and how many pools it started
+during the job (0: the pool of the warm-up job served it, as it should). Preprocessing pools take the
+product's default size (each GPU worker's share of the cores, less two for its engine)
+unless `--preprocess-workers` is given.
+
+Prints timestamped progress and tables; writes scaling.json into $OUT (or the current
 folder). Exits 1 when a run fails (a worker dies, a row errors, the job does not
 complete); the 1.9x target is reported, not enforced.
 """
@@ -53,6 +61,7 @@ WORDS = ("describe the picture with care and name every colour shape and texture
          "then say which part is brightest where the light seems to come from and what mood it has").split()
 STARTED = time.monotonic()
 SUCCEEDED = re.compile(r"^\[(?P<stamp>[\d-]+ [\d:]+),\d+: INFO/\w+\] Task \S+ succeeded in (?P<seconds>[\d.]+)s", re.M)
+SHARD_TIMING = re.compile(r"shard timing: (?P<fields>.*)$", re.M)
 
 
 def say(message: str) -> None:
@@ -219,6 +228,15 @@ class Worker:
                 found.append(round(float(match["seconds"]), 2))
         return found
 
+    def shard_timings(self, job_id: str) -> list[dict[str, Any]]:
+        """The `shard timing` lines this command's processes logged for `job_id`."""
+        found = []
+        for match in SHARD_TIMING.finditer(self.log.read_text(errors="replace")):
+            fields = dict(pair.split("=", 1) for pair in match["fields"].split())
+            if fields.get("job") == job_id:
+                found.append({k: v if k in ("job", "gpu") else float(v) for k, v in fields.items()})
+        return found
+
     def stop(self) -> None:
         """SIGTERM to the command (it forwards it once to each process), then force."""
         import psutil
@@ -269,7 +287,7 @@ def run_job(dataset: Path, model: Path, broker: str, output: Path, shard_size: i
     import pyarrow.parquet as pq
 
     from vlmbatch.io.manifest import Manifest, results_dir
-    from vlmbatch.job.queue import committed_shards
+    from vlmbatch.job.queue import committed_shards, job_status
 
     cmd = VLMBATCH + ["submit", str(dataset), "--model", str(model), "--broker", broker, "--output", str(output),
                       "--shard-size", str(shard_size), "--max-tokens", str(OUTPUT_TOKENS)]
@@ -283,10 +301,16 @@ def run_job(dataset: Path, model: Path, broker: str, output: Path, shard_size: i
         raise RuntimeError(f"vlmbatch submit failed ({submit.returncode}): {submit_err}")
     manifest = Manifest.load(output / job_id)
     deadline = queued + timeout
+    last_status = time.monotonic()
     while len(committed_shards(manifest)) < manifest.num_shards:
         check_alive(workers)
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} not done after {timeout:.0f} s")
+        if time.monotonic() - last_status > 2:  # a shard that raised is not retried: stop at once
+            last_status = time.monotonic()
+            status = job_status(output / job_id, broker)
+            if status.state == "failed":
+                raise RuntimeError(f"job {job_id} failed: {status.errors}; see {[str(w.log) for w in workers]}")
         time.sleep(0.05)
     done = time.monotonic()
     waited = subprocess.run(VLMBATCH + ["wait", job_id, "--output", str(output), "--broker", broker],
@@ -309,7 +333,33 @@ def run_job(dataset: Path, model: Path, broker: str, output: Path, shard_size: i
         "generated_tokens": pc.sum(table["num_generated_tokens"]).as_py(),
         "input_tokens_mean": pc.mean(table["num_input_tokens"]).as_py(),
         "shard_seconds_by_command": [w.shard_seconds(queued_epoch) for w in workers],
+        "per_process": per_process([t for w in workers for t in w.shard_timings(job_id)]),
     }
+
+
+def per_process(timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Shard timings summed per worker process: where its time went."""
+    by_pid: dict[int, list[dict[str, Any]]] = {}
+    for timing in timings:
+        by_pid.setdefault(int(timing["pid"]), []).append(timing)
+    summary = []
+    for pid, shards in sorted(by_pid.items()):
+        total = {key: sum(s[key] for s in shards) for key in ("rows", "seconds", "idle_for_rows", "engine")}
+        summary.append({
+            "pid": pid,
+            "gpu": shards[0]["gpu"],
+            "shards": len(shards),
+            "rows": int(total["rows"]),
+            "shard_seconds": round(total["seconds"], 2),
+            "rows_per_s": round(total["rows"] / total["seconds"], 2) if total["seconds"] else 0.0,
+            "idle_for_rows_s": round(total["idle_for_rows"], 2),
+            "engine_s": round(total["engine"], 2),
+            "other_s": round(total["seconds"] - total["idle_for_rows"] - total["engine"], 2),
+            "pool_workers": int(shards[-1]["pool_workers"]),
+            "pool_starts": int(sum(s["pool_starts"] for s in shards)),
+            "worker_restarts": int(sum(s["worker_restarts"] for s in shards)),
+        })
+    return summary
 
 
 def run_config(label: str, gpus: list[str], model: Path, broker: str, dtype: str, datasets: tuple[Path, Path],
@@ -328,6 +378,11 @@ def run_config(label: str, gpus: list[str], model: Path, broker: str, dtype: str
         say(f"run {label}: job {result['job_id']}: {result['rows']} rows in {result['seconds']:.1f} s = "
             f"{result['rows_per_s']:.2f} rows/s, {result['generated_tokens']} generated tokens; "
             f"shard seconds per worker command {result['shard_seconds_by_command']}")
+        for p in result["per_process"]:
+            say(f"run {label}: process {p['pid']} (gpu {p['gpu']}): {p['shards']} shards, {p['rows']} rows, "
+                f"{p['rows_per_s']:.2f} rows/s; idle for rows {p['idle_for_rows_s']:.2f} s, engine {p['engine_s']:.1f} s, "
+                f"other {p['other_s']:.2f} s; pool {p['pool_workers']} processes, {p['pool_starts']} starts, "
+                f"{p['worker_restarts']} restarts")
     finally:
         for worker in workers:
             worker.stop()
@@ -346,6 +401,13 @@ def print_table(a: dict[str, Any], b: dict[str, Any], ratio: float) -> None:
         startup = "/".join(f"{s:.0f}" for s in run["startup_s"])
         print(f"{label:<4} {' | '.join(run['gpus']):<16} {run['processes']:>5} {startup:>14} {run['rows']:>6} "
               f"{run['seconds']:>8.1f} {run['rows_per_s']:>8.2f} {run['generated_tokens']:>11} {run['input_tokens_mean']:>10.1f}")
+    print(f"\n{'run':<4} {'pid':>8} {'gpu':>4} {'shards':>6} {'rows':>5} {'shard s':>8} {'rows/s':>7} "
+          f"{'idle for rows s':>15} {'engine s':>9} {'other s':>8} {'pool procs':>10} {'pool starts':>11} {'restarts':>8}")
+    for label, run in (("A", a), ("B", b)):
+        for p in run["per_process"]:
+            print(f"{label:<4} {p['pid']:>8} {p['gpu']:>4} {p['shards']:>6} {p['rows']:>5} {p['shard_seconds']:>8.1f} "
+                  f"{p['rows_per_s']:>7.2f} {p['idle_for_rows_s']:>15.2f} {p['engine_s']:>9.1f} {p['other_s']:>8.2f} "
+                  f"{p['pool_workers']:>10} {p['pool_starts']:>11} {p['worker_restarts']:>8}")
     verdict = "meets" if ratio >= TARGET_RATIO else "MISSES"
     print(f"B/A = {ratio:.2f}x ({verdict} the {TARGET_RATIO}x target)\n", flush=True)
 
@@ -363,16 +425,17 @@ def main() -> int:
     parser.add_argument("--gpus-b", default=gpus_b, help="likewise for run B")
     parser.add_argument("--redis-server", type=Path, default=Path(".whl/redis/redis-server"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/vlmbatch-scaling"))
-    parser.add_argument("--preprocess-workers", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2 - 1),
-                        help="preprocessing processes per worker, the same in both runs (default: half the cores each)")
+    parser.add_argument("--preprocess-workers", type=int, default=None,
+                        help="preprocessing processes per worker process (default: the product's, from its share of the cores)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for start-up and for each job")
     args = parser.parse_args()
 
     workdir = args.workdir
     (workdir / "out").mkdir(parents=True, exist_ok=True)
     out_dir = Path(os.environ.get("OUT", "."))
-    env = dict(os.environ, VLMBATCH_PREPROCESS_WORKERS=str(args.preprocess_workers), HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if args.preprocess_workers is not None:
+        env["VLMBATCH_PREPROCESS_WORKERS"] = str(args.preprocess_workers)
     if not cuda:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # a CPU smoke test on a shared box
     dtype = "bfloat16" if cuda else "auto"

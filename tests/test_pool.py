@@ -183,4 +183,6 @@ def test_worker_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "0")
     assert default_num_workers() == 0
     monkeypatch.delenv("VLMBATCH_PREPROCESS_WORKERS")
-    assert default_num_workers() == max(1, len(os.sched_getaffinity(0)) - 1)
+    monkeypatch.delenv("VLMBATCH_WORKER_CPUS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert default_num_workers() == max(1, cores - (2 if cores >= 4 else 1))

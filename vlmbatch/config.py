@@ -69,3 +69,24 @@ def preprocess_workers() -> int | None:
     sizes the pool from the usable cores."""
     value = env_str("VLMBATCH_PREPROCESS_WORKERS", None)
     return int(value) if value is not None else None
+
+
+def worker_cpus() -> set[int] | None:
+    """The cores of this host that `vlmbatch worker` gave this GPU worker process
+    (`VLMBATCH_WORKER_CPUS`, e.g. "0-7" or "0,2,4"): its preprocessing pool is sized from
+    them. Set by the supervisor for each process it starts; None elsewhere."""
+    value = env_str("VLMBATCH_WORKER_CPUS", None)
+    if value is None:
+        return None
+    cores: set[int] = set()
+    for part in value.split(","):
+        first, _, last = part.strip().partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def pin_worker_cpus() -> bool:
+    """Whether each `vlmbatch worker` GPU process (engine and preprocessing pool) runs only
+    on its own share of the cores (`VLMBATCH_PIN_WORKER_CPUS`, default 1), so two engines'
+    host threads never compete for a core; 0 only sizes the pools from the share."""
+    return env_int("VLMBATCH_PIN_WORKER_CPUS", 1) != 0

@@ -15,6 +15,7 @@ from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.io.manifest import Manifest
+from vlmbatch.job.pool import RowPreparer
 from vlmbatch.job.shard import ShardOutcome, run_shard
 from vlmbatch.workers.store import JobStore, RowRange
 
@@ -44,11 +45,12 @@ def run_guarded(
     attempt: int,
     should_stop: Callable[[], bool],
     on_progress: Callable[[int, int], None],
+    preparer: RowPreparer | None = None,
 ) -> ShardOutcome:
     """Run and commit shard `shard_id`, isolating rows that crashed earlier attempts."""
     plan = manifest.shards[shard_id]
     whole = RowRange(plan.row_start, plan.row_end)
-    options = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress}
+    options = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress, "preparer": preparer}
     if store.crashes(whole) < crash_limit:
         with store.attempt(whole):
             outcome = run_shard(manifest, job_dir, shard_id, llm, **options)

@@ -23,6 +23,7 @@ from vlmbatch.workers.store import connect
 
 def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool, media_io_kwargs: str) -> int:
     """Run until shut down; returns Celery's exit code."""
+    from vlmbatch.job.pool import RowPreparer
     from vlmbatch.media.video import parse_video_options, prepare_video_backend
 
     logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
@@ -32,7 +33,8 @@ def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_r
         from vlmbatch.job.plan import load_llm
 
         llm = load_llm(model, engine=engine, dtype=dtype)
-    runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot)))
+    preparer = RowPreparer()  # one preprocessing pool for every shard this process runs
+    runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot), preparer))
     app = make_app(broker_url)
     worker = app.Worker(
         hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",
@@ -45,11 +47,26 @@ def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_r
         without_gossip=True,
         loglevel="INFO",
     )
-    worker.start()
+    try:
+        worker.start()
+    finally:
+        preparer.close()
     return int(worker.exitcode or 0)
 
 
+def pin_to_share() -> None:
+    """Run on the cores `vlmbatch worker` gave this process, before torch starts its thread
+    pools (sized from the affinity) and the preprocessing pool forks (it inherits it)."""
+    from vlmbatch import config
+
+    cpus = config.worker_cpus()
+    allowed = (cpus or set()) & os.sched_getaffinity(0)
+    if allowed and config.pin_worker_cpus():
+        os.sched_setaffinity(0, allowed)
+
+
 def main(argv: list[str] | None = None) -> None:
+    pin_to_share()
     parser = argparse.ArgumentParser(description="One vlmbatch worker process (started by `vlmbatch worker`).")
     parser.add_argument("--model", required=True)
     parser.add_argument("--broker", required=True)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import redis
 
+    from vlmbatch.job.pool import RowPreparer
+
 
 def new_worker_id(slot: str) -> str:
     """`host/slot/pid-xxxx`: readable in `status`, unique even when a pid is reused."""
@@ -32,6 +34,7 @@ class WorkerRuntime:
     llm: Any | None  # None: a dry-run worker that validates rows and generates nothing
     redis: redis.Redis
     worker_id: str = field(default_factory=lambda: new_worker_id("cpu"))
+    preparer: RowPreparer | None = None  # the preprocessing pool every shard of this process reuses
 
 
 _current: WorkerRuntime | None = None

@@ -1,7 +1,9 @@
 """`vlmbatch worker`: one worker process per GPU, restarted when it dies.
 
 Each child is pinned to its GPU with `CUDA_VISIBLE_DEVICES` before it starts (CUDA reads
-it once, at initialisation). Children run in their own session so a terminal's Ctrl+C
+it once, at initialisation), and given its own share of this process's cores
+(`VLMBATCH_WORKER_CPUS`: 8 each for two GPUs on 16 cores), which sizes its preprocessing
+pool and, unless `VLMBATCH_PIN_WORKER_CPUS=0`, is all it runs on. Children run in their own session so a terminal's Ctrl+C
 reaches only the supervisor, which forwards every SIGTERM/SIGINT/SIGQUIT exactly once:
 that keeps Celery's "first Ctrl+C warm, second cold" meaning intact. A child that dies
 (OOM, `kill -9`, a poison row) is restarted after a short back-off; its shard comes back to the
@@ -46,11 +48,30 @@ def gpu_slots(gpus: str | None) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] or ["cpu"]
 
 
-def pinned_env(slot: str) -> dict[str, str]:
-    """This process's environment, with CUDA showing the child only its own GPU."""
+def cpu_shares(slots: list[str], cores: set[int] | None = None) -> dict[str, list[int]]:
+    """Each slot's own cores: this process's (`cores`, default its affinity) cut into
+    contiguous, near-equal runs, one per slot. Empty when there is one slot or fewer than
+    two cores per slot: the processes then share every core."""
+    ordered = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if len(slots) < 2 or len(ordered) < 2 * len(slots):
+        return {}
+    size, extra = divmod(len(ordered), len(slots))
+    shares, start = {}, 0
+    for i, slot in enumerate(slots):
+        end = start + size + (1 if i < extra else 0)
+        shares[slot] = ordered[start:end]
+        start = end
+    return shares
+
+
+def pinned_env(slot: str, cpus: list[int] | None = None) -> dict[str, str]:
+    """This process's environment, with CUDA showing the child only its own GPU and, given
+    `cpus`, `VLMBATCH_WORKER_CPUS` naming its share of the cores (see `config.worker_cpus`)."""
     env = dict(os.environ)
     if slot != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = slot
+    if cpus:
+        env["VLMBATCH_WORKER_CPUS"] = ",".join(map(str, cpus))
     return env
 
 
@@ -84,6 +105,7 @@ class Supervisor:
         self.dry_run = dry_run
         self.children: dict[str, Child] = {}
         self.stopping = False
+        self.cpus = cpu_shares(slots)
 
     def command(self, slot: str) -> list[str]:
         cmd = [sys.executable, "-m", "vlmbatch.workers.process", "--model", self.model]
@@ -92,7 +114,7 @@ class Supervisor:
         return cmd + (["--dry-run"] if self.dry_run else [])
 
     def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:
-        process = subprocess.Popen(self.command(slot), env=pinned_env(slot), start_new_session=True)
+        process = subprocess.Popen(self.command(slot), env=pinned_env(slot, self.cpus.get(slot)), start_new_session=True)
         self.children[slot] = Child(slot, process, time.monotonic(), delay)
         log.info("worker process %d started on slot %s", process.pid, slot)
 

@@ -135,7 +135,8 @@ def _run_leased(
                 store.add_rows(shard_id, *unsent)
             unsent[:] = [0, 0]
 
-    options: dict[str, Any] = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress}
+    options: dict[str, Any] = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress,
+                               "preparer": worker.preparer}
     try:
         if retry_errors:
             if run_shard(manifest, job_dir, shard_id, worker.llm, retry_errors=True, **options).stopped:

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from vlmbatch.job.pool import RowPreparer
 from vlmbatch.job.shard import run_shard
 
 
@@ -47,8 +48,12 @@ def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bo
             failed += bad
             progress.update(task, advance=ok + bad, failed=failed, rate=_rate(progress, task))
 
-        for shard_id in todo:
-            run_shard(manifest, job_dir, shard_id, llm, on_progress=advance)
+        preparer = RowPreparer()  # one preprocessing pool for all the job's shards
+        try:
+            for shard_id in todo:
+                run_shard(manifest, job_dir, shard_id, llm, on_progress=advance, preparer=preparer)
+        finally:
+            preparer.close()
     return time.perf_counter() - started
 
 

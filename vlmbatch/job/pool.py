@@ -14,7 +14,11 @@ Promises, each covered by tests/test_pool.py:
   `ErrorType.MEDIA_TIMEOUT` and its worker is killed; either way the rows queued behind it
   go to other workers and the worker is replaced;
 - closing the iterator (cancel, early `break`, garbage collection) stops the workers, and
-  so does killing the process that owns the pool.
+  so does killing the process that owns the pool;
+- a pool outlives one source: `RowPreparer` keeps one for the life of its owner (a
+  `vlmbatch worker` GPU process, an in-process job), so shards do not pay start-up and the
+  adapter load again. A source closed early kills the workers still holding its rows (their
+  results can never reach the next source) and they are restarted when the next one starts.
 
 Each worker has its own task queue (at most `_TASKS_PER_WORKER` rows deep) and its own
 result pipe, which is what lets the parent know exactly which row a dead worker held; a
@@ -34,7 +38,7 @@ import queue
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -81,11 +85,18 @@ class PoolStartError(RuntimeError):
 
 
 def default_num_workers() -> int:
-    """`VLMBATCH_PREPROCESS_WORKERS`, else the usable cores minus one left for the engine."""
+    """`VLMBATCH_PREPROCESS_WORKERS`, else this process's cores less those left to the engine.
+
+    This process's cores are its share of the host (`vlmbatch worker` gives each GPU worker
+    its own, see `config.worker_cpus`), else its affinity. The engine keeps two of them when
+    it can (its Python loop, plus the CUDA, pinned-copy and queue heartbeat threads), one
+    otherwise: a 16-core host with two GPU workers gets 6 preprocessing processes per GPU.
+    """
     configured = config.preprocess_workers()
     if configured is not None:
         return configured
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    cores = len(config.worker_cpus() or os.sched_getaffinity(0))
+    return max(1, cores - (2 if cores >= 4 else 1))
 
 
 class _TensorPickler(pickle.Pickler):
@@ -175,7 +186,8 @@ class ProcessPool:
 
     `imap_unordered` yields results as they finish; a task whose worker died or raised,
     or that ran longer than `task_timeout` seconds (its worker is killed and replaced),
-    becomes `on_failure(task, error_type, message)` instead.
+    becomes `on_failure(task, error_type, message)` instead. It may be called again once
+    the previous iteration ended (one source at a time): the workers stay up in between.
     """
 
     def __init__(
@@ -201,6 +213,7 @@ class ProcessPool:
             start_fork_server()
         self.workers: list[_Worker] = []
         self.restarts = 0
+        self._iterating = False
 
     def __enter__(self) -> ProcessPool:
         # We hold the only write end and never write: the workers watch it to outlive us by
@@ -255,27 +268,58 @@ class ProcessPool:
         """Tasks handed to workers and not yet answered."""
         return sum(len(w.held) for w in self.workers)
 
-    def imap_unordered(self, tasks: Iterable[Task]) -> Iterator[Any]:
+    def imap_unordered(self, tasks: Iterable[Task]) -> Generator[Any, bool | None, None]:
         """Results of `tasks` in completion order, with at most `max_pending` tasks read
-        from `tasks` and not yet yielded."""
+        from `tasks` and not yet yielded.
+
+        `send(False)` instead of `next()` asks for a result only if one is ready, and gets
+        `None` when none is: a consumer with other work (an engine with requests in flight)
+        never blocks on a row. Closing it early abandons the rows still being prepared.
+        """
+        if self._iterating:
+            raise RuntimeError("a ProcessPool serves one source at a time")
+        self._iterating = True
         source = iter(tasks)
         waiting: deque[Task] = deque()  # read from the source, not yet given to a worker
         pending = 0  # read from the source, not yet yielded
         exhausted = False
-        while True:
-            while not exhausted and pending < self.max_pending:
-                try:
-                    waiting.append(next(source))
-                except StopIteration:
-                    exhausted = True
-                else:
-                    pending += 1
-            self._dispatch(waiting)
-            if pending == 0:
-                return
-            for result in self._collect(waiting):
-                pending -= 1
-                yield result
+        block = True
+        try:
+            self._top_up()
+            while True:
+                while not exhausted and pending < self.max_pending:
+                    try:
+                        waiting.append(next(source))
+                    except StopIteration:
+                        exhausted = True
+                    else:
+                        pending += 1
+                self._dispatch(waiting)
+                if pending == 0:
+                    return
+                results = self._collect(waiting, block)
+                for result in results:
+                    pending -= 1
+                    block = (yield result) is not False
+                if not results and not block:
+                    block = (yield None) is not False
+        finally:
+            self._iterating = False
+            self._abandon()
+
+    def _top_up(self) -> None:
+        """Start workers for those `_abandon` stopped."""
+        while len(self.workers) < self.num_workers:
+            self.workers.append(self._start_worker())
+
+    def _abandon(self) -> None:
+        """Stop the workers still holding rows of a source nobody reads any more, so their
+        results cannot reach the next source; `_top_up` replaces them."""
+        for worker in [w for w in self.workers if w.held]:
+            worker.process.kill()
+            worker.process.join()
+            self._release(worker)
+            self.workers.remove(worker)
 
     def _dispatch(self, waiting: deque[Task]) -> None:
         """Hand waiting tasks to the least busy workers, up to `_TASKS_PER_WORKER` each."""
@@ -289,14 +333,15 @@ class ProcessPool:
             if len(worker.held) == 1:
                 worker.advance()
 
-    def _collect(self, waiting: deque[Task]) -> list[Any]:
-        """Block until some worker answers or dies; return the results that came in."""
+    def _collect(self, waiting: deque[Task], block: bool = True) -> list[Any]:
+        """Block (or with `block=False`, only look) until some worker answers or dies;
+        return the results that came in."""
         by_handle: dict[Any, _Worker] = {}
         for worker in self.workers:
             by_handle[worker.results] = worker
             by_handle[worker.process.sentinel] = worker
         results: list[Any] = []
-        for handle in wait(list(by_handle), timeout=self._until_next_timeout()):
+        for handle in wait(list(by_handle), timeout=self._until_next_timeout() if block else 0):
             worker = by_handle[handle]
             if worker not in self.workers:
                 continue  # already replaced through its other handle
@@ -378,35 +423,110 @@ class AdapterSpec:
 
 @dataclass(frozen=True)
 class RowPreparation:
-    """Everything `prepare_row` needs besides the row; pickled once into each worker."""
+    """Everything `prepare_row` needs besides the row (a job's settings); it travels with
+    each row, so one pool serves shard after shard of any job (~1 KB per row).
+
+    `pixel_dtype` (a torch dtype name such as "bfloat16") is the engine's: its vision tower
+    casts pixels to it first thing, so casting them in the worker gives the same results
+    and halves the bytes that cross the pipe (a 448x448 image: 4.8 -> 2.4 MB). None keeps
+    the processor's float32 (CPU engines, which run in float32).
+    """
 
     adapter_spec: AdapterSpec | None
     dataset: str
     media_io_kwargs: dict[str, Any]
     columns: Any
     defaults: SamplingParams
+    pixel_dtype: str | None = None
     defer_jpegs: bool = False  # JPEG bytes go to the engine for GPU decoding (media/gpu_batch.py)
 
 
-def _row_preparer(preparation: RowPreparation) -> Callable[[Task], PreparedRow]:
-    """Worker setup: one adapter and one media loader for the worker's lifetime."""
+def _row_preparer(adapter_spec: AdapterSpec | None) -> Callable[[Task], PreparedRow]:
+    """Worker setup: the adapter is loaded now; each task is `(row_id, (preparation, raw))`,
+    and the adapter and media loader are rebuilt only when a row's preparation asks for
+    other ones (another model spelling or chat template; another dataset or media options)."""
     from vlmbatch.job.prepare import media_loader_for, prepare_row
 
-    adapter = preparation.adapter_spec.load() if preparation.adapter_spec is not None else None
-    media = media_loader_for(preparation.dataset, preparation.media_io_kwargs)
+    adapter = adapter_spec.load() if adapter_spec is not None else None
+    media_for: tuple[str, dict[str, Any]] | None = None
+    media: Any = None
 
     def prepare(task: Task) -> PreparedRow:
-        row_id, raw = task
-        return prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media,
+        nonlocal adapter_spec, adapter, media_for, media
+        row_id, (preparation, raw) = task
+        if preparation.adapter_spec != adapter_spec:
+            adapter_spec = preparation.adapter_spec
+            adapter = adapter_spec.load() if adapter_spec is not None else None
+        if (preparation.dataset, preparation.media_io_kwargs) != media_for:
+            media_for = (preparation.dataset, preparation.media_io_kwargs)
+            media = media_loader_for(*media_for)
+        item = prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media,
                            defer_jpegs=preparation.defer_jpegs)
+        if item.prepared is not None and preparation.pixel_dtype is not None:
+            cast_pixels(item.prepared.mm_inputs, preparation.pixel_dtype)
+        return item
 
     return prepare
+
+
+def cast_pixels(mm_inputs: dict[str, Any], dtype_name: str) -> None:
+    """Cast the floating `pixel_values*` tensors to `dtype_name`, the engine's dtype (the
+    same rule the engines apply when they move a batch to the device)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    for key, value in mm_inputs.items():
+        if key.startswith("pixel_values") and isinstance(value, torch.Tensor) and value.is_floating_point():
+            mm_inputs[key] = value.to(dtype)
+
+
+class RowPreparer:
+    """One preprocessing pool kept for the life of its owner and reused by every shard.
+
+    A `vlmbatch worker` GPU process holds one for all the shards (of every job) it runs, and
+    an in-process job one for all its shards: the workers start and load the adapter once,
+    not per shard. The pool is rebuilt only after it failed to start. `starts` counts the
+    pools started, `restarts` the workers replaced (crashes, timeouts, abandoned sources).
+    """
+
+    def __init__(self, num_workers: int | None = None, max_pending: int | None = None,
+                 row_timeout: float | None = DEFAULT_ROW_TIMEOUT):
+        self.num_workers = default_num_workers() if num_workers is None else num_workers
+        self.max_pending = max_pending
+        self.row_timeout = row_timeout
+        self.pool: ProcessPool | None = None
+        self.starts = 0
+        self._restarts_before = 0  # of pools already closed
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts_before + (self.pool.restarts if self.pool is not None else 0)
+
+    def prepare(self, source: Iterable[Task], preparation: RowPreparation) -> Generator[PreparedRow | None, bool | None, None]:
+        """`ProcessPool.imap_unordered` of `source` (same `send(False)` protocol)."""
+        if self.pool is None:
+            pool = ProcessPool(_row_preparer, preparation.adapter_spec, _failed_row, self.num_workers,
+                               self.max_pending, task_timeout=self.row_timeout)
+            self.pool = pool.__enter__()
+            self.starts += 1
+        try:
+            yield from self.pool.imap_unordered((row_id, (preparation, raw)) for row_id, raw in source)
+        except PoolStartError:
+            self.close()  # a worker that cannot start would fail every later shard the same way
+            raise
+
+    def close(self) -> None:
+        """Stop the workers (the owner is done)."""
+        if self.pool is not None:
+            self._restarts_before += self.pool.restarts
+            self.pool.close()
+            self.pool = None
 
 
 def _failed_row(task: Task, error_type: str, message: str) -> PreparedRow:
     from vlmbatch.job.prepare import PreparedRow
 
-    row_id, raw = task
+    row_id, (_, raw) = task
     return PreparedRow(row_id=row_id, raw=raw, error=RowError(error_type, message))
 
 
@@ -428,18 +548,26 @@ def prepare_rows_parallel(
     max_pending: int | None = None,
     adapter: ModelAdapter | None = None,
     row_timeout: float | None = DEFAULT_ROW_TIMEOUT,
+    pixel_dtype: str | None = None,
+    preparer: RowPreparer | None = None,
     defer_jpegs: bool = False,
-) -> Iterator[PreparedRow]:
+) -> Generator[PreparedRow | None, bool | None, None]:
     """`prepare_rows` over a pool of worker processes; rows come out in completion order.
 
-    `num_workers` defaults to `default_num_workers()`; 0 prepares in this thread (in order)
-    with `adapter` (the caller's loaded one) or, failing that, one loaded from `adapter_spec`.
-    `max_pending` bounds the rows read from `source` and not yet yielded (default 4 per worker).
-    A row still being prepared after `row_timeout` seconds fails with `media_timeout`.
+    `preparer` is the caller's long-lived pool (its size and limits apply); without one a
+    pool is started for this call alone. `num_workers` defaults to `default_num_workers()`;
+    0 prepares in this thread (in order) with `adapter` (the caller's loaded one) or, failing
+    that, one loaded from `adapter_spec`. `max_pending` bounds the rows read from `source`
+    and not yet yielded (default 4 per worker). A row still being prepared after
+    `row_timeout` seconds fails with `media_timeout`. `pixel_dtype`: see `RowPreparation`.
+    With workers, `send(False)` returns None instead of waiting when no row is ready.
     """
     from vlmbatch.job.prepare import prepare_rows
 
-    workers = default_num_workers() if num_workers is None else num_workers
+    if preparer is not None:
+        workers = preparer.num_workers
+    else:
+        workers = default_num_workers() if num_workers is None else num_workers
     if _videos_on_gpu(manifest):
         workers = 0  # GPU-decoded frames stay on the engine's GPU: see docs/video.md
     if workers == 0:
@@ -448,6 +576,12 @@ def prepare_rows_parallel(
         yield from prepare_rows(source, manifest, adapter, defaults, defer_jpegs)
         return
     preparation = RowPreparation(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {},
-                                 manifest.columns, defaults, defer_jpegs=defer_jpegs)
-    with ProcessPool(_row_preparer, preparation, _failed_row, workers, max_pending, task_timeout=row_timeout) as pool:
-        yield from pool.imap_unordered(source)
+                                 manifest.columns, defaults, pixel_dtype, defer_jpegs)
+    if preparer is not None:
+        yield from preparer.prepare(source, preparation)
+        return
+    own = RowPreparer(workers, max_pending, row_timeout)
+    try:
+        yield from own.prepare(source, preparation)
+    finally:
+        own.close()

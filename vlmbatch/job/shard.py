@@ -4,14 +4,21 @@ The same function serves the in-process runner and the Celery task, so both path
 produce identical results. Rows flow through the engine continuously (new rows are
 added as others finish) instead of in barrier-separated micro-batches, so the engine
 stays full; `should_stop` is polled between engine steps, which is how a cancel
-stops a running shard without committing a partial part.
+stops a running shard without committing a partial part. While the engine has requests
+in flight it takes only rows that are already prepared, and never waits for one.
+
+Each shard logs one `shard timing` line (rows, seconds, time the engine sat idle waiting
+for prepared rows, time in engine steps, preprocessing pool starts): scripts/
+gpu_scaling_check.py reads them from the worker logs to show where a shard's time went.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from contextlib import closing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,10 +27,12 @@ from typing import Any
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+from vlmbatch.job.pool import AdapterSpec, RowPreparer, prepare_rows_parallel
 from vlmbatch.media.gpu_batch import defer_jpegs_for
 from vlmbatch.job.prepare import PreparedRow
 from vlmbatch.job.rows import RowRequest
+
+log = logging.getLogger(__name__)
 
 STOP_POLL_SECONDS = 0.5
 
@@ -38,6 +47,27 @@ class ShardOutcome:
     stopped: bool = False
     part_path: Path | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
+    timing: ShardTiming = field(default_factory=lambda: ShardTiming())
+
+
+@dataclass
+class ShardTiming:
+    """Where a shard's wall time went (seconds)."""
+
+    seconds: float = 0.0
+    idle_for_rows: float = 0.0  # nothing in flight, waiting for the next prepared row
+    engine: float = 0.0  # inside `engine.step()`
+    pool_workers: int = 0  # processes of the shard's `RowPreparer` (0: none, or rows prepared in-thread)
+    pool_starts: int = 0  # pools started for this shard: 1 for a process's first, then 0 (reused)
+    worker_restarts: int = 0  # pool workers replaced during this shard (crashes, timeouts, abandons)
+
+    def line(self, job_id: str, shard_id: int, rows: int) -> str:
+        """One parseable log line (`key=value` pairs)."""
+        rate = rows / self.seconds if self.seconds > 0 else 0.0
+        return (f"shard timing: job={job_id} shard={shard_id} pid={os.getpid()} "
+                f"gpu={os.environ.get('CUDA_VISIBLE_DEVICES', '-')} rows={rows} seconds={self.seconds:.3f} "
+                f"rows_per_s={rate:.2f} idle_for_rows={self.idle_for_rows:.3f} engine={self.engine:.3f} "
+                f"pool_workers={self.pool_workers} pool_starts={self.pool_starts} worker_restarts={self.worker_restarts}")
 
 
 class ResultRowFactory:
@@ -118,6 +148,7 @@ def run_shard(
     row_range: tuple[int, int] | None = None,
     commit: bool = True,
     max_inflight: int | None = None,
+    preparer: RowPreparer | None = None,
 ) -> ShardOutcome:
     """Generate every row of shard `shard_id` and (if `commit`) write its part atomically.
 
@@ -125,12 +156,15 @@ def run_shard(
     `manifest`'s model is not loaded) without generating: the queue benchmark uses it.
     `retry_errors` re-runs only the rows of the committed part that ended in an error.
     `row_range` restricts the run to a sub-range (poison-shard splitting).
+    `preparer` is the caller's preprocessing pool, kept across shards (else one per call).
     """
     import pyarrow.parquet as pq
 
     from vlmbatch.io.readers import open_dataset
     from vlmbatch.io.writer import write_part
 
+    started = time.monotonic()
+    starts, restarts = (preparer.starts, preparer.restarts) if preparer is not None else (0, 0)
     plan = manifest.shards[shard_id]
     factory = ResultRowFactory(manifest, shard_id, attempt)
     outcome = ShardOutcome(shard_id=shard_id)
@@ -147,7 +181,8 @@ def run_shard(
     adapter = llm.adapter if llm is not None else None
     spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
     defer = llm is not None and defer_jpegs_for(llm.engine, manifest.extra.get("gpu_image_decode"))  # media/gpu_batch.py
-    prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter, defer_jpegs=defer)
+    prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter, defer_jpegs=defer,
+                                     pixel_dtype=pixel_dtype(llm), preparer=preparer)
 
     def record(row: dict[str, Any], ok: bool) -> None:
         outcome.rows.append(row)
@@ -164,7 +199,13 @@ def run_shard(
         if llm is None:
             finished = _validate_only(prepared, factory, record, should_stop)
         else:
-            finished = _generate(llm, prepared, factory, record, should_stop, max_inflight)
+            finished = _generate(llm, prepared, factory, record, should_stop, max_inflight, outcome.timing)
+    outcome.timing.seconds = time.monotonic() - started
+    if preparer is not None:
+        timing = outcome.timing
+        timing.pool_workers = preparer.num_workers
+        timing.pool_starts, timing.worker_restarts = preparer.starts - starts, preparer.restarts - restarts
+    log.info(outcome.timing.line(manifest.job_id, shard_id, outcome.rows_ok + outcome.rows_failed))
     if not finished:
         outcome.stopped = True
         return outcome
@@ -175,6 +216,18 @@ def run_shard(
         outcome.part_path = write_part(job_dir, shard_id, manifest.num_shards, outcome.rows)
         outcome.rows = []
     return outcome
+
+
+def pixel_dtype(llm: Any | None) -> str | None:
+    """The engine's dtype when it is a half type ("bfloat16", "float16"), for the pool to
+    send pixels in (see `RowPreparation`); None keeps float32. The paged engine's runner
+    holds the model's dtype, the hf engine's HF model has it (the paged engine's HF model
+    may hold no weights any more)."""
+    import torch
+
+    engine = getattr(llm, "engine", None)
+    dtype = getattr(getattr(engine, "runner", None) or getattr(engine, "model", None), "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _rows_in_range(
@@ -208,24 +261,37 @@ def _validate_only(
 
 def _generate(
     llm: Any,
-    prepared: Iterator[PreparedRow],
+    prepared: Generator[PreparedRow | None, bool | None, None],
     factory: ResultRowFactory,
     record: Callable[[dict[str, Any], bool], None],
     should_stop: Callable[[], bool] | None,
     max_inflight: int | None,
+    timing: ShardTiming,
 ) -> bool:
-    """Keep the engine full from `prepared`; return False if stopped before the end."""
+    """Keep the engine full from `prepared`; return False if stopped before the end.
+
+    With requests in flight only rows that are ready are taken (`send(False)`): waiting for
+    the next row would idle the engine whenever preprocessing falls behind, e.g. at the
+    start of a shard, until `limit` rows are prepared."""
     engine = llm.engine
     limit = max_inflight or getattr(llm, "max_inflight", 256)
     inflight: dict[str, PreparedRow] = {}
     exhausted = False
     last_poll = time.monotonic()
+    started = False  # a generator takes `send(False)` only after its first `next()`
     while True:
         while not exhausted and len(inflight) < limit:
-            item = next(prepared, None)
-            if item is None:
+            waited = time.monotonic()
+            try:
+                item = prepared.send(False) if inflight and started else next(prepared)
+            except StopIteration:
                 exhausted = True
                 break
+            started = True
+            if not inflight:
+                timing.idle_for_rows += time.monotonic() - waited
+            if item is None:
+                break  # none ready: step the engine
             if item.error is not None:
                 record(factory.failed(item, item.error), False)
                 continue
@@ -234,6 +300,7 @@ def _generate(
             inflight[request_id] = item
         if not inflight:
             return True
+        stepped = time.monotonic()
         try:
             outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - one bad row must not end the shard
@@ -242,6 +309,8 @@ def _generate(
             _isolate(llm, inflight, factory, record, exc)
             inflight.clear()
             continue
+        finally:
+            timing.engine += time.monotonic() - stepped
         for output in outputs:
             if output.finished and output.request_id in inflight:
                 record(factory.ok(inflight.pop(output.request_id), output), True)
