@@ -12,6 +12,7 @@ from vlmbatch.cli.options import (
     BrokerOption,
     DtypeOption,
     EngineOption,
+    GpuImageDecodeOption,
     MediaIoKwargsOption,
     ModelOption,
     OutputOption,
@@ -41,13 +42,19 @@ def worker(
     dtype: str = DtypeOption,
     media_io_kwargs: Optional[str] = MediaIoKwargsOption,
     dry_run: bool = typer.Option(False, "--dry-run", hidden=True, help="Validate rows without a model (queue benchmark)."),
+    gpu_image_decode: Optional[str] = GpuImageDecodeOption,
 ) -> None:
     """Serve MODEL's queue: one process per GPU (one CPU process without GPUs), model loaded once each.
 
     --media-io-kwargs sets this worker's media defaults (e.g. a GPU video decoder and its
     hw_decoders, reserved at start-up); each job's and row's own options apply on top.
+    --gpu-image-decode is this worker's default too (a job's `submit --gpu-image-decode` wins).
     """
     import json
+    import os
+
+    from vlmbatch.errors import JobError
+    from vlmbatch.media.gpu_batch import gpu_image_decode_mode
 
     from vlmbatch.media.video import ensure_backend_available, parse_video_options
     from vlmbatch.workers.supervisor import Supervisor, gpu_slots
@@ -55,6 +62,11 @@ def worker(
     if not broker:
         raise typer.BadParameter("a worker needs a broker", param_hint="--broker")
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
+    if gpu_image_decode is not None:  # the engine processes read it where they run shards
+        try:
+            os.environ["VLMBATCH_GPU_IMAGE_DECODE"] = gpu_image_decode_mode(gpu_image_decode)
+        except JobError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--gpu-image-decode")
     try:
         ensure_backend_available(parse_video_options(media.get("video")).backend)
     except ValueError as exc:

@@ -254,3 +254,12 @@ def test_a_job_with_gpu_decode_on_gives_the_same_results_as_off(tiny_qwen: Path,
     results = _job_results(tiny_qwen, tmp_path, "cuda", ("on", "off"))
     assert results["on"] == results["off"]
     assert results["on"][3][3] == ErrorType.MEDIA_DECODE and sum(r[3] is None for r in results["on"]) == 11
+
+
+def test_worker_flag_is_checked() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "vlmbatch.cli", "worker", "--broker", "redis://127.0.0.1:1", "--model", "m",
+                           "--gpu-image-decode", "sometimes"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "auto, on, off" in done.stderr
