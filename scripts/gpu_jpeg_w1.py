@@ -58,6 +58,7 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
     from vlmbatch.engine.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=w1data.OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.engine.model.encoder_cache.clear()  # each run starts cold, and its cache shows which path it took
     seconds = 0.0
     for name, path in (("warmup", warmup), ("timed", dataset)):
         manifest, job_dir = jobs.plan_job(path, str(model), out / f"{mode}-{name}", engine="paged",
@@ -69,6 +70,10 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
     errors = [e for e in table.column("error").to_pylist() if e]
     if errors:
         raise RuntimeError(f"{len(errors)} rows failed in the {mode} job, e.g. {errors[0]}")
+    # Deferred images are cached under their bytes' hash ("jpeg:..."): proof the engine decoded them.
+    gpu_decoded = sum(key.startswith("jpeg:") for key in llm.engine.model.encoder_cache)
+    if (mode == "on") != (gpu_decoded > 0):
+        raise RuntimeError(f"GPU decoding {mode} but {gpu_decoded} engine-decoded images in the encoder cache")
     generated = table.column("num_generated_tokens").to_pylist()
     if set(generated) != {w1data.OUTPUT_TOKENS}:
         raise RuntimeError(f"rows generated {sorted(set(generated))} tokens, not {w1data.OUTPUT_TOKENS}")
