@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -190,7 +191,7 @@ def test_forced_on_without_cuda_refuses_the_job(how: str, tiny_qwen: Path, tmp_p
         assert typo.returncode == 2 and "auto, on, off" in typo.stderr
 
 
-def _greedy(engine: PagedEngine, prompts: dict) -> dict[str, list[int]]:
+def _greedy(engine: Any, prompts: dict) -> dict[str, list[int]]:
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, SamplingParams(max_tokens=6, temperature=0))
     outputs = {}
@@ -213,6 +214,19 @@ def test_engine_decodes_pending_images_to_the_same_tokens(arch: str, tiny_model_
     assert _greedy(engines[1], pending) == cpu
     assert engines[1].model.num_encoded_items == engines[0].model.num_encoded_items == 4  # the repeat is encoded once
     assert all(PENDING_KEY in p.mm_inputs for p in pending.values())  # the prompts keep bytes, not pixels
+
+
+def test_the_reference_engine_decodes_pending_prompts_it_is_given(tiny_qwen: Path) -> None:
+    """Jobs never defer JPEGs for `--engine hf`, but a prompt built that way still works there."""
+    from vlmbatch.engine.hf import HFEngine
+
+    adapter = load_adapter(str(tiny_qwen))
+    engine = HFEngine(adapter, dtype="float32", device="cpu")
+    datas = [_smooth_jpeg(size, seed) for seed, size in enumerate(SIZES[:3])]
+    cpu = {str(i): adapter.prepare(PROMPTS["qwen2_5_vl"](1), [load_image(d)]) for i, d in enumerate(datas)}
+    pending = {str(i): adapter.prepare_pending(PROMPTS["qwen2_5_vl"](1), [_pending(adapter, d)]) for i, d in enumerate(datas)}
+    mixed = {"0": pending["0"], "1": cpu["1"], "2": pending["2"]}  # one batch of both kinds
+    assert _greedy(engine, mixed) == _greedy(engine, cpu)
 
 
 @pytest.mark.gpu

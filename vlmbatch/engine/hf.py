@@ -18,6 +18,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.media.gpu_batch import materialize_prompt_inputs
 from vlmbatch.models.base import ModelAdapter, PreparedPrompt
 
 
@@ -134,9 +135,11 @@ class HFEngine(Engine):
         inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self._takes_token_types:
             inputs["mm_token_type_ids"] = self.adapter.mm_token_type_ids(input_ids)
-        keys = dict.fromkeys(k for r in batch for k in r.prompt.mm_inputs)
+        # Jobs never defer JPEGs for this engine (media/gpu_batch.py); prompts built that way elsewhere are decoded here.
+        media = [materialize_prompt_inputs(r.prompt.mm_inputs, self.device) for r in batch]
+        keys = dict.fromkeys(k for m in media for k in m)
         for key in keys:
-            inputs[key] = torch.cat([r.prompt.mm_inputs[key] for r in batch if key in r.prompt.mm_inputs], dim=0)
+            inputs[key] = torch.cat([m[key].to(self.device) for m in media if key in m], dim=0)
         dtype = self.model.dtype
         return {
             k: v.to(self.device, dtype=dtype) if k.startswith("pixel_values") else v.to(self.device)

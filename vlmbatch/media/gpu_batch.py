@@ -178,9 +178,9 @@ def _decoded_inputs(item: MediaItem, tensors: dict[str, torch.Tensor] | RowError
 
 
 def materialize_prompt_inputs(mm_inputs: dict[str, Any], device: torch.device | str = "cpu") -> dict[str, Any]:
-    """A prompt's `mm_inputs` with pending images turned into the CPU path's tensor layout
-    (for callers outside the paged engine, e.g. comparing paths); raises the `RowError` of a
-    file neither decoder reads."""
+    """A prompt's `mm_inputs` with pending images turned into the CPU path's tensor layout,
+    for engines without a per-step media batch (the HF reference engine); raises the
+    `RowError` of a file neither decoder reads."""
     pending: list[PendingJpeg] | None = mm_inputs.get(PENDING_KEY)
     if not pending:
         return mm_inputs
