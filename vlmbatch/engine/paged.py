@@ -151,6 +151,11 @@ class PagedEngine(Engine):
     def _multimodal_data(self, prompt: PreparedPrompt) -> MultimodalData:
         """Media items, the prompt positions their tokens fill, and M-RoPE positions."""
         items = split_media(self.model, prompt.mm_inputs, prompt.mm_hashes)  # pending JPEGs too
+        dtype = self.model.decoder.embed_tokens.weight.dtype
+        for item in items:  # pixels already on the GPU (GPU video decoders) wait there: keep them
+            for key, value in item.inputs.items():  # in the tower's dtype, which it casts to anyway
+                if key.startswith("pixel_values") and value.is_cuda and value.is_floating_point():
+                    item.inputs[key] = value.to(dtype)
         ids = torch.tensor(prompt.prompt_token_ids)
         media_index = torch.full_like(ids, -1)
         spans, row = [], 0
