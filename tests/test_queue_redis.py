@@ -33,7 +33,9 @@ def test_redis_kill9_and_restart_mid_job(tmp_path: Path, redis_server: qh.RedisS
 def test_resume_rebuilds_a_job_after_redis_lost_everything(
     tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
 ) -> None:
-    dataset = qh.write_rows(tmp_path / "rows.jsonl", 200)
+    # 25 shards: with the preprocessing pool kept across shards, 5 of them all finished
+    # between the second commit and the worker's stop
+    dataset = qh.write_rows(tmp_path / "rows.jsonl", 1000)
     worker = start_worker(tiny_qwen, redis_server.url)
     manifest, job_dir = qh.submit(dataset, tiny_qwen, tmp_path / "out", redis_server.url, shard_size=40)
     qh.wait_for(lambda: len(committed_shards(manifest)) >= 2, 120, "two committed shards")

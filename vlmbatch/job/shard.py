@@ -278,16 +278,14 @@ def _generate(
     inflight: dict[str, PreparedRow] = {}
     exhausted = False
     last_poll = time.monotonic()
-    started = False  # a generator takes `send(False)` only after its first `next()`
     while True:
         while not exhausted and len(inflight) < limit:
             waited = time.monotonic()
             try:
-                item = prepared.send(False) if inflight and started else next(prepared)
+                item = prepared.send(False) if inflight else next(prepared)  # in flight: it has started
             except StopIteration:
                 exhausted = True
                 break
-            started = True
             if not inflight:
                 timing.idle_for_rows += time.monotonic() - waited
             if item is None:
