@@ -21,9 +21,9 @@ Where each shard's time went comes from the `shard timing` line every worker pro
 per shard (vlmbatch/job/shard.py): per process, rows/s, the seconds its engine sat idle
 waiting for prepared rows, the seconds in engine steps, the rest (result rows, part
 writes, queue hand-over), its preprocessing pool's size and how many pools it started
-during the job (0: the pool of the warm-up job served it, as it should). Preprocessing pools take the
-product's default size (each GPU worker's share of the cores, less two for its engine)
-unless `--preprocess-workers` is given.
+during the job (0: the pool it started with served every shard, as it should).
+Preprocessing pools take the product's default size (each GPU worker's share of the
+cores, less two for its engine) unless `--preprocess-workers` is given.
 
 Prints timestamped progress and tables; writes scaling.json into $OUT (or the current
 folder). Exits 1 when a run fails (a worker dies, a row errors, the job does not

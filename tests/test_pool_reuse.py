@@ -78,6 +78,11 @@ def test_each_gpu_worker_gets_its_own_cores() -> None:
     assert cpu_shares(["0", "1", "2"], set(range(8))) == {"0": [0, 1, 2], "1": [3, 4, 5], "2": [6, 7]}
     assert cpu_shares(["0"], set(range(16))) == {}  # one worker keeps every core
     assert cpu_shares(["0", "1"], {0, 1, 2}) == {}  # too few to split
+    # hyperthreads numbered as on most x86 hosts (core i and i + 8 share a physical core)
+    # stay together, so the two engines never share a physical core
+    siblings = {i: f"{i % 8},{i % 8 + 8}" for i in range(16)}
+    assert cpu_shares(["0", "1"], set(range(16)), siblings.__getitem__) == {
+        "0": [0, 1, 2, 3, 8, 9, 10, 11], "1": [4, 5, 6, 7, 12, 13, 14, 15]}
     assert pinned_env("1", [8, 9])["VLMBATCH_WORKER_CPUS"] == "8,9"
 
 
@@ -122,6 +127,7 @@ def test_one_pool_serves_jobs_with_their_own_folders(tmp_path: Path, tiny_qwen: 
     """Relative image paths resolve next to each job's own dataset, through the same workers."""
     spec, defaults = AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=2)
     preparer = RowPreparer(num_workers=1)
+    preparer.start(spec)  # as a GPU worker does once its model is loaded
     try:
         for job in ("a", "b"):
             dataset = write_image_dataset(tmp_path / job / "rows.jsonl", 3, image_mode="path")

@@ -23,7 +23,7 @@ from vlmbatch.workers.store import connect
 
 def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool, media_io_kwargs: str) -> int:
     """Run until shut down; returns Celery's exit code."""
-    from vlmbatch.job.pool import RowPreparer
+    from vlmbatch.job.pool import AdapterSpec, RowPreparer
     from vlmbatch.media.video import parse_video_options, prepare_video_backend
 
     logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
@@ -34,20 +34,21 @@ def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_r
 
         llm = load_llm(model, engine=engine, dtype=dtype)
     preparer = RowPreparer()  # one preprocessing pool for every shard this process runs
-    runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot), preparer))
-    app = make_app(broker_url)
-    worker = app.Worker(
-        hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",
-        queues=[queue_name(model)],
-        pool_cls="solo",
-        concurrency=1,
-        # Workers share nothing but Redis and the folder: skipping mingle/gossip saves a
-        # second of start-up and a broadcast per worker.
-        without_mingle=True,
-        without_gossip=True,
-        loglevel="INFO",
-    )
     try:
+        preparer.start(AdapterSpec(model) if llm is not None else None)
+        runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot), preparer))
+        app = make_app(broker_url)
+        worker = app.Worker(
+            hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",
+            queues=[queue_name(model)],
+            pool_cls="solo",
+            concurrency=1,
+            # Workers share nothing but Redis and the folder: skipping mingle/gossip saves a
+            # second of start-up and a broadcast per worker.
+            without_mingle=True,
+            without_gossip=True,
+            loglevel="INFO",
+        )
         worker.start()
     finally:
         preparer.close()

@@ -18,7 +18,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -48,18 +50,32 @@ def gpu_slots(gpus: str | None) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] or ["cpu"]
 
 
-def cpu_shares(slots: list[str], cores: set[int] | None = None) -> dict[str, list[int]]:
+def thread_siblings(core: int) -> str:
+    """The hardware threads sharing `core`'s physical core, as Linux lists them ("0,8")."""
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return str(core)
+
+
+def cpu_shares(slots: list[str], cores: set[int] | None = None,
+               siblings: Callable[[int], str] = thread_siblings) -> dict[str, list[int]]:
     """Each slot's own cores: this process's (`cores`, default its affinity) cut into
-    contiguous, near-equal runs, one per slot. Empty when there is one slot or fewer than
-    two cores per slot: the processes then share every core."""
+    near-equal runs of physical cores, one per slot, hyperthreads of one core kept together
+    (two engines on sibling threads would still compete). Empty when there is one slot or
+    fewer than two cores per slot: the processes then share every core."""
     ordered = sorted(os.sched_getaffinity(0) if cores is None else cores)
-    if len(slots) < 2 or len(ordered) < 2 * len(slots):
+    physical: dict[str, list[int]] = {}
+    for core in ordered:
+        physical.setdefault(siblings(core), []).append(core)
+    groups = list(physical.values())
+    if len(slots) < 2 or len(ordered) < 2 * len(slots) or len(groups) < len(slots):
         return {}
-    size, extra = divmod(len(ordered), len(slots))
+    size, extra = divmod(len(groups), len(slots))
     shares, start = {}, 0
     for i, slot in enumerate(slots):
         end = start + size + (1 if i < extra else 0)
-        shares[slot] = ordered[start:end]
+        shares[slot] = sorted(core for group in groups[start:end] for core in group)
         start = end
     return shares
 

@@ -504,16 +504,22 @@ class RowPreparer:
 
     def prepare(self, source: Iterable[Task], preparation: RowPreparation) -> Generator[PreparedRow | None, bool | None, None]:
         """`ProcessPool.imap_unordered` of `source` (same `send(False)` protocol)."""
-        if self.pool is None:
-            pool = ProcessPool(_row_preparer, preparation.adapter_spec, _failed_row, self.num_workers,
-                               self.max_pending, task_timeout=self.row_timeout)
-            self.pool = pool.__enter__()
-            self.starts += 1
+        self.start(preparation.adapter_spec)
+        assert self.pool is not None
         try:
             yield from self.pool.imap_unordered((row_id, (preparation, raw)) for row_id, raw in source)
         except PoolStartError:
             self.close()  # a worker that cannot start would fail every later shard the same way
             raise
+
+    def start(self, adapter_spec: AdapterSpec | None) -> None:
+        """Start the workers unless they run (each loads `adapter_spec`'s processor): a GPU
+        worker calls it once its model is loaded, so its first shard finds them ready."""
+        if self.pool is None and self.num_workers > 0:
+            pool = ProcessPool(_row_preparer, adapter_spec, _failed_row, self.num_workers, self.max_pending,
+                               task_timeout=self.row_timeout)
+            self.pool = pool.__enter__()
+            self.starts += 1
 
     def close(self) -> None:
         """Stop the workers (the owner is done)."""
