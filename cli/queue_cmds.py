@@ -37,7 +37,7 @@ def _job(job: str, output: Path, broker: str | None) -> tuple[Path, str]:
 def worker(
     model: str = ModelOption,
     broker: Optional[str] = BrokerOption,
-    gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each: all, a list such as 0,1, or cpu (one CPU process)."),
+    gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each (on its own share of the cores): all, a list such as 0,1, or cpu (one CPU process)."),
     engine: str = EngineOption,
     dtype: str = DtypeOption,
     media_io_kwargs: Optional[str] = MediaIoKwargsOption,
