@@ -15,8 +15,10 @@ downloaded). One paged engine (the product's defaults) serves, in order:
    nvJPEG and runs the processor on the device (`vlmbatch/media/gpu_batch.py`);
 3. jpeg-cpu: the same file with GPU decoding off: the pool decodes and preprocesses.
 
-Each is preceded by an untimed warm-up of 64 rows/requests (fewer if --rows is smaller) (CUDA graphs, nvJPEG and the
-pool start are paid there). The target: jpeg-gpu reaches >= 90% of pre-decoded requests/s
+Each is preceded by an untimed warm-up of 64 rows/requests (fewer if --rows is smaller)
+(CUDA graphs, nvJPEG and the pool start are paid there: one preprocessing pool serves all
+job runs, as in a `vlmbatch worker`). Each run prints where the engine's time went
+(`EngineStats` phases) and the shards' timing lines (time idle waiting for rows). The target: jpeg-gpu reaches >= 90% of pre-decoded requests/s
 (reported, not enforced). Without CUDA the jpeg-gpu run cannot happen (GPU decoding is
 refused on a CPU engine) and is reported as skipped. Prints a table; writes
 gpu_jpeg_w1.json into $OUT (or the current folder). Exits 1 if a run fails or a row errors.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import traceback
@@ -44,12 +47,26 @@ def pre_decoded(llm: Any, rows: int, warmup: int) -> dict[str, Any]:
     """The engine benchmark's W1 on the job's engine: prompts with pixels already made."""
     from vlmbatch.engine.bench import output_lengths, run_engine, w1_prompts
 
-    run_engine(llm.engine, w1_prompts(llm.adapter, warmup, seed=1), output_lengths("w1", warmup), "warmup")
-    result = run_engine(llm.engine, w1_prompts(llm.adapter, rows, seed=2), output_lengths("w1", rows), "w1")
-    return {"requests": rows, "seconds": result.seconds, "output_tokens": result.output_tokens}
+    dtype = llm.engine.runner.dtype
+    run_engine(llm.engine, w1_prompts(llm.adapter, warmup, seed=1, pixel_dtype=dtype), output_lengths("w1", warmup), "warmup")
+    before = stats_now(llm)
+    result = run_engine(llm.engine, w1_prompts(llm.adapter, rows, seed=2, pixel_dtype=dtype), output_lengths("w1", rows), "w1")
+    return {"requests": rows, "seconds": result.seconds, "output_tokens": result.output_tokens, "phases": phases(llm, before)}
 
 
-def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode: str) -> dict[str, Any]:
+def phases(llm: Any, before: dict[str, float]) -> dict[str, float]:
+    """The engine's phase seconds and step counts since `before` (a `stats_now` snapshot)."""
+    now = stats_now(llm)
+    return {k: round(now[k] - before[k], 3) for k in now}
+
+
+def stats_now(llm: Any) -> dict[str, float]:
+    from dataclasses import asdict
+
+    return {k: v for k, v in asdict(llm.engine.stats).items() if k.endswith("_s") or k.endswith("_steps")}
+
+
+def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode: str, preparer: Any) -> dict[str, Any]:
     """W1 from JPEG Parquet through `run_job_locally` with GPU decoding `mode` (a warm-up job first)."""
     import pyarrow.parquet as pq
 
@@ -58,13 +75,14 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
 
     sampling = SamplingParams(max_tokens=w1data.OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     llm.engine.model.encoder_cache.clear()  # each run starts cold, and its cache shows which path it took
-    seconds = 0.0
+    seconds, before = 0.0, stats_now(llm)
     for name, path in (("warmup", warmup), ("timed", dataset)):
+        before = stats_now(llm)
         manifest, job_dir = jobs.plan_job(path, str(model), out / f"{mode}-{name}", engine="paged",
                                           sampling=sampling, shard_size=100_000)  # fmt: skip
         manifest.extra["gpu_image_decode"] = mode
         manifest.save()
-        seconds = jobs.run_job_locally(manifest, job_dir, llm, show_progress=False)
+        seconds = jobs.run_job_locally(manifest, job_dir, llm, show_progress=False, preparer=preparer)
     table = pq.read_table(job_dir / "results")
     errors = [e for e in table.column("error").to_pylist() if e]
     if errors:
@@ -77,7 +95,7 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
     if set(generated) != {w1data.OUTPUT_TOKENS}:
         raise RuntimeError(f"rows generated {sorted(set(generated))} tokens, not {w1data.OUTPUT_TOKENS}")
     return {"requests": table.num_rows, "seconds": seconds, "output_tokens": sum(generated),
-            "prompt_tokens": table.column("num_input_tokens").to_pylist()[0]}
+            "prompt_tokens": table.column("num_input_tokens").to_pylist()[0], "phases": phases(llm, before)}
 
 
 def main() -> int:
@@ -90,7 +108,11 @@ def main() -> int:
     import torch
 
     from vlmbatch import job as jobs
+    from vlmbatch.job.pool import RowPreparer
     from vlmbatch.media.gpu_batch import defer_jpegs_for
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("vlmbatch.job.shard").setLevel(logging.INFO)  # its "shard timing" lines
 
     out_dir = Path(os.environ.get("OUT", "."))
     cuda = torch.cuda.is_available()
@@ -110,13 +132,17 @@ def main() -> int:
         runs = report["runs"]
         runs["pre-decoded"] = pre_decoded(llm, args.rows, warmup_rows)
         say(f"pre-decoded: {runs['pre-decoded']}")
-        if defer_jpegs_for(llm.engine, "auto"):
-            runs["jpeg-gpu"] = job_run(llm, model, dataset, warmup, args.workdir / "jobs", "on")
-            say(f"jpeg-gpu: {runs['jpeg-gpu']}")
-        else:
-            say("jpeg-gpu: skipped (GPU decoding needs the paged engine on CUDA)")
-        runs["jpeg-cpu"] = job_run(llm, model, dataset, warmup, args.workdir / "jobs", "off")
-        say(f"jpeg-cpu: {runs['jpeg-cpu']}")
+        preparer = RowPreparer()
+        try:
+            if defer_jpegs_for(llm.engine, "auto"):
+                runs["jpeg-gpu"] = job_run(llm, model, dataset, warmup, args.workdir / "jobs", "on", preparer)
+                say(f"jpeg-gpu: {runs['jpeg-gpu']}")
+            else:
+                say("jpeg-gpu: skipped (GPU decoding needs the paged engine on CUDA)")
+            runs["jpeg-cpu"] = job_run(llm, model, dataset, warmup, args.workdir / "jobs", "off", preparer)
+            say(f"jpeg-cpu: {runs['jpeg-cpu']}")
+        finally:
+            preparer.close()
     except Exception:  # report what ran, then fail
         traceback.print_exc()
         report["error"] = traceback.format_exc(limit=3)

@@ -32,8 +32,11 @@ def job_progress(console: Console | None = None) -> Progress:
     )
 
 
-def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bool = True, console: Console | None = None) -> float:
-    """Run the job's pending shards one after another, with a rich progress bar; return seconds taken."""
+def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bool = True, console: Console | None = None,
+                    preparer: RowPreparer | None = None) -> float:
+    """Run the job's pending shards one after another, with a rich progress bar; return
+    seconds taken. The preprocessing pool is `preparer` (a caller that runs several jobs on
+    one engine keeps its pool warm, as a worker does) or one started for this job."""
     started = time.perf_counter()
     todo = pending_shards(manifest, job_dir)
     done_rows = sum(s.row_end - s.row_start for s in manifest.shards if s.shard_id not in set(todo))
@@ -48,12 +51,14 @@ def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bo
             failed += bad
             progress.update(task, advance=ok + bad, failed=failed, rate=_rate(progress, task))
 
-        preparer = RowPreparer()  # one preprocessing pool for all the job's shards
+        own = preparer is None
+        preparer = RowPreparer() if own else preparer  # one preprocessing pool for all the job's shards
         try:
             for shard_id in todo:
                 run_shard(manifest, job_dir, shard_id, llm, on_progress=advance, preparer=preparer)
         finally:
-            preparer.close()
+            if own:
+                preparer.close()
     return time.perf_counter() - started
 
 
