@@ -85,6 +85,13 @@ def worker_cpus() -> set[int] | None:
     return cores
 
 
+def gpu_media_budget_bytes() -> int:
+    """How many bytes of media tensors already on the GPU (frames from GPU video decoders)
+    the rows in flight may hold together (`VLMBATCH_GPU_MEDIA_BUDGET_MB`, default 4096):
+    they wait there until the engine encodes them, outside the KV cache's memory plan."""
+    return env_int("VLMBATCH_GPU_MEDIA_BUDGET_MB", 4096) * 2**20
+
+
 def pin_worker_cpus() -> bool:
     """Whether each `vlmbatch worker` GPU process (engine and preprocessing pool) runs only
     on its own share of the cores (`VLMBATCH_PIN_WORKER_CPUS`, default 1), so two engines'

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from vlmbatch import config
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
@@ -272,20 +273,27 @@ def _generate(
 
     With requests in flight only rows that are ready are taken (`send(False)`): waiting for
     the next row would idle the engine whenever preprocessing falls behind, e.g. at the
-    start of a shard, until `limit` rows are prepared."""
+    start of a shard, until `limit` rows are prepared. Rows whose media already sit on the
+    GPU (GPU video decoders) are also held back while those in flight hold more than the
+    GPU media budget (`GpuMediaBudget`)."""
     engine = llm.engine
     limit = max_inflight or getattr(llm, "max_inflight", 256)
+    budget = GpuMediaBudget(config.gpu_media_budget_bytes())
     inflight: dict[str, PreparedRow] = {}
+    held_back: PreparedRow | None = None  # taken from `prepared`, waiting for the budget
     exhausted = False
     last_poll = time.monotonic()
     while True:
-        while not exhausted and len(inflight) < limit:
+        while (held_back is not None or not exhausted) and len(inflight) < limit:
             waited = time.monotonic()
-            try:
-                item = prepared.send(False) if inflight else next(prepared)  # in flight: it has started
-            except StopIteration:
-                exhausted = True
-                break
+            if held_back is not None:
+                item, held_back = held_back, None
+            else:
+                try:
+                    item = prepared.send(False) if inflight else next(prepared)  # in flight: it has started
+                except StopIteration:
+                    exhausted = True
+                    break
             if not inflight:
                 timing.idle_for_rows += time.monotonic() - waited
             if item is None:
@@ -293,9 +301,14 @@ def _generate(
             if item.error is not None:
                 record(factory.failed(item, item.error), False)
                 continue
+            media_bytes = device_media_bytes(item.prepared.mm_inputs if item.prepared is not None else {})
+            if not budget.admits(media_bytes):
+                held_back = item
+                break
             request_id = str(item.row_id)
             engine.add_request(request_id, item.prepared, item.sampling)
             inflight[request_id] = item
+            budget.hold(request_id, media_bytes)
         if not inflight:
             return True
         stepped = time.monotonic()
@@ -306,11 +319,13 @@ def _generate(
                 engine.abort_request(request_id)
             _isolate(llm, inflight, factory, record, exc)
             inflight.clear()
+            budget.held.clear()
             continue
         finally:
             timing.engine += time.monotonic() - stepped
         for output in outputs:
             if output.finished and output.request_id in inflight:
+                budget.release(output.request_id)
                 record(factory.ok(inflight.pop(output.request_id), output), True)
         if should_stop is not None and time.monotonic() - last_poll > STOP_POLL_SECONDS:
             last_poll = time.monotonic()
@@ -318,6 +333,32 @@ def _generate(
                 for request_id in list(inflight):
                     engine.abort_request(request_id)
                 return False
+
+
+def device_media_bytes(mm_inputs: dict[str, Any]) -> int:
+    """Bytes of a prompt's media tensors that are not in host memory (GPU decoders' frames)."""
+    return sum(v.numel() * v.element_size() for v in mm_inputs.values() if getattr(getattr(v, "device", None), "type", "cpu") != "cpu")
+
+
+@dataclass
+class GpuMediaBudget:
+    """Media already on the GPU waits there until the engine encodes it, outside the KV
+    cache's memory plan: a 64-frame 720p row is ~430 MB. The rows in flight may hold at most
+    `limit` bytes of it together; a row that would pass it waits, unless none is held
+    (so an oversized row still runs, alone)."""
+
+    limit: int
+    held: dict[str, int] = field(default_factory=dict)  # request id -> bytes
+
+    def admits(self, nbytes: int) -> bool:
+        return not nbytes or not self.held or sum(self.held.values()) + nbytes <= self.limit
+
+    def hold(self, request_id: str, nbytes: int) -> None:
+        if nbytes:
+            self.held[request_id] = nbytes
+
+    def release(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
 
 
 def _isolate(
