@@ -31,6 +31,18 @@ def _fused_silu_and_mul() -> Callable:
     return fused_silu_and_mul
 
 
+def use_kernels_in(root: nn.Module, kernels: Any | None, attention_types: tuple[type, ...], mlp_types: tuple[type, ...]) -> None:
+    """Every RMSNorm, attention (its rotary) and gated MLP (its SiLU·mul) under `root`
+    through the fused kernels of `vlmbatch.kernels`, or plain torch (None)."""
+    for module in root.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = kernels.rms_norm if kernels is not None else None
+        elif isinstance(module, attention_types):
+            module.rotary = kernels.apply_rotary if kernels is not None else apply_rotary
+        elif isinstance(module, mlp_types):
+            module.act = _fused_silu_and_mul() if kernels is not None else silu_and_mul
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
         super().__init__()
@@ -118,13 +130,7 @@ class Decoder(nn.Module):
     def use_kernels(self, kernels: Any | None) -> None:
         """Run norms and rotary through fused kernels (`vlmbatch.kernels`), or plain torch
         (None): fewer launches per layer matters most in small-batch decode."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = kernels.rms_norm if kernels is not None else None
-            elif isinstance(module, Attention):
-                module.rotary = kernels.apply_rotary if kernels is not None else apply_rotary
-            elif isinstance(module, MLP):
-                module.act = _fused_silu_and_mul() if kernels is not None else silu_and_mul
+        use_kernels_in(self, kernels, (Attention,), (MLP,))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of a flat batch of tokens."""

@@ -29,7 +29,7 @@ from torch import nn
 
 from vlmbatch.engine.layers.norm import RMSNorm
 from vlmbatch.engine.layers.rotary import apply_rotary
-from vlmbatch.engine.models.decoder import _fused_silu_and_mul, silu_and_mul
+from vlmbatch.engine.models.decoder import silu_and_mul, use_kernels_in
 from vlmbatch.engine.models.packed_attention import attend_segments
 
 # Gated-MLP widths are padded to a multiple of this many elements (Qwen2.5-VL's 3420 rows
@@ -164,13 +164,7 @@ class QwenVisionTower(nn.Module):
 
     def use_kernels(self, kernels: Any | None) -> None:
         """Fused RMSNorm, rotary and SiLU·mul (`vlmbatch.kernels`), or plain torch (None)."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = kernels.rms_norm if kernels is not None else None
-            elif isinstance(module, VisionAttention):
-                module.rotary = kernels.apply_rotary if kernels is not None else apply_rotary
-            elif isinstance(module, VisionMLP):
-                module.act = _fused_silu_and_mul() if kernels is not None else silu_and_mul
+        use_kernels_in(self, kernels, (VisionAttention,), (VisionMLP,))
 
     def layout(self, grids: torch.Tensor) -> BatchLayout:
         """The batch layout of `grids` [items, 3] (t, h, w in patches), cached: batch jobs
