@@ -49,6 +49,10 @@ def bench_video(
     size: str = typer.Option("1280x720", "--size", help="Clip size WxH."),
     clip_dir: Path = typer.Option(Path("bench-out/video-clips"), "--clip-dir", help="Where the generated clips are kept between runs."),
     json_out: Path = typer.Option(Path("bench-out/video.json"), "--json", help="Where to write the figures."),
+    decoder_threads: int = typer.Option(
+        0, "--decoder-threads", min=0,
+        help="Threads each decoder may use (0: each library's default; jobs' preprocessing workers use 1).",
+    ),
 ) -> None:
     """Decode 16 and 64 uniformly sampled frames of a 720p h264 clip with every backend."""
     from vlmbatch.media.video.bench import results_as_json, run_video_bench
@@ -64,7 +68,8 @@ def bench_video(
 
     console = Console()
     console.width = max(console.width, 110)  # the table stays readable when piped
-    table = Table(title=f"video decoding: {seconds} s {size} h264, {os.cpu_count()} CPU cores")
+    table = Table(title=f"video decoding: {seconds} s {size} h264, {os.cpu_count()} CPU cores, "
+                        f"{decoder_threads or 'default'} decoder threads")
     for column in ("clip", "frames", "threads", "backend", "frames/s", "requests/s", "vs best", "CPU s/request", "same frames"):
         table.add_column(column, justify="left" if column in ("clip", "backend") else "right", no_wrap=True)
 
@@ -80,11 +85,12 @@ def bench_video(
         )
 
     results = run_video_bench(
-        clip_dir, chosen, frame_counts, thread_counts, requests_per_thread, seconds, int(width), int(height), on_result=show
+        clip_dir, chosen, frame_counts, thread_counts, requests_per_thread, seconds, int(width), int(height), on_result=show,
+        decoder_threads=decoder_threads,
     )
     console.print(table)
     settings = {"backends": chosen, "frames": frame_counts, "threads": thread_counts, "seconds": seconds, "size": size,
-                "requests_per_thread": requests_per_thread, "cpu_count": os.cpu_count()}
+                "requests_per_thread": requests_per_thread, "cpu_count": os.cpu_count(), "decoder_threads": decoder_threads}
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(results_as_json(results, settings), indent=2))
     console.print(f"wrote {json_out}")

@@ -186,3 +186,21 @@ def test_worker_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv("VLMBATCH_WORKER_CPUS", raising=False)
     cores = len(os.sched_getaffinity(0))
     assert default_num_workers() == max(1, cores - (2 if cores >= 4 else 1))
+
+
+def _decoder_threads_setup(_: None) -> Callable[[Task], Any]:
+    """Reports the thread settings a pool worker decodes with."""
+    import torch
+
+    from vlmbatch.media.video.options import cpu_decoder_threads
+
+    return lambda task: (task[0], torch.get_num_threads(), cpu_decoder_threads())
+
+
+def test_workers_decode_with_one_thread_each() -> None:
+    """The pool is the parallelism: torch ops and video decoders in a worker use one thread."""
+    from vlmbatch.media.video.options import cpu_decoder_threads
+
+    with ProcessPool(_decoder_threads_setup, None, _failure, num_workers=1) as pool:
+        assert list(pool.imap_unordered([(7, None)])) == [(7, 1, 1)]
+    assert cpu_decoder_threads() == 0  # the owner keeps the libraries' defaults

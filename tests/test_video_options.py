@@ -132,3 +132,26 @@ def test_start_up_options_become_the_process_defaults_under_job_options(monkeypa
     assert default_video_options().backend == "pyav"
     job = parse_video_options({"num_frames": 4})
     assert (job.backend, job.num_frames) == ("pyav", 4)
+
+
+def test_cpu_decoder_threads_reach_opencv(tmp_path):
+    """Preprocessing workers set one decoder thread; OpenCV's capture is opened with it."""
+    cv2 = pytest.importorskip("cv2")
+    from vlmbatch.media.refs import MediaSource
+    from vlmbatch.media.video.opencv_backend import open_capture
+    from vlmbatch.media.video.options import set_cpu_decoder_threads
+    from vlmbatch.testing.videos import ffmpeg_available, make_video
+
+    if not ffmpeg_available():
+        pytest.skip("needs the ffmpeg command line to make a test video")
+    source = MediaSource(name="clip", path=str(make_video(tmp_path, "h264_mp4")))
+    try:
+        set_cpu_decoder_threads(1)
+        with open_capture(source) as capture:
+            assert capture.get(cv2.CAP_PROP_N_THREADS) == 1
+    finally:
+        set_cpu_decoder_threads(0)
+    plain = cv2.VideoCapture(source.path, cv2.CAP_FFMPEG)
+    with open_capture(source) as capture:  # 0: OpenCV chooses, as for a plain capture
+        assert capture.get(cv2.CAP_PROP_N_THREADS) == plain.get(cv2.CAP_PROP_N_THREADS)
+    plain.release()

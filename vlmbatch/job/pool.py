@@ -152,7 +152,10 @@ def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection, 
     """Build the handler once, then answer tasks until the `None` sentinel."""
     import torch
 
+    from vlmbatch.media.video.options import set_cpu_decoder_threads
+
     torch.set_num_threads(1)  # the pool is the parallelism; per-op threads would oversubscribe
+    set_cpu_decoder_threads(1)  # likewise for video decoders (and they waste less after seeks)
     try:
         handle = setup(setup_arg)
     except BaseException:  # noqa: BLE001 - any setup failure must reach the parent, not vanish

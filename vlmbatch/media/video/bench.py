@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from vlmbatch.media.video import load_video, parse_video_options
+from vlmbatch.media.video.options import set_cpu_decoder_threads
 from vlmbatch.media.video.probe import probe_stream
 from vlmbatch.media.video.sampling import plan_frames
 from vlmbatch.media.refs import MediaSource
@@ -114,7 +115,12 @@ def run_video_bench(
     height: int,
     on_result: Callable[[BenchResult], None] = lambda result: None,
     crf: int | None = None,
+    decoder_threads: int = 0,
 ) -> list[BenchResult]:
+    """Each backend's time and CPU for `frame_counts` sampled frames of each clip kind, with
+    `thread_counts` concurrent requests; decoders use `decoder_threads` threads each (0: the
+    libraries' defaults; jobs' preprocessing workers use 1)."""
+    set_cpu_decoder_threads(decoder_threads)
     results: list[BenchResult] = []
     for label in CLIP_KINDS:
         path = make_bench_clip(clip_dir, label, seconds, width, height, crf=crf)

@@ -17,7 +17,7 @@ from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video.base import VideoBackend, walk_frames
-from vlmbatch.media.video.options import VideoOptions
+from vlmbatch.media.video.options import VideoOptions, cpu_decoder_threads
 from vlmbatch.media.video.probe import StreamIndex
 from vlmbatch.media.video.sampling import nearest_frame
 from vlmbatch.media.refs import MediaSource
@@ -33,7 +33,8 @@ def open_capture(source: MediaSource, raw_packets: bool = False) -> Iterator[Any
     import cv2
 
     buffer = io.BytesIO(source.data) if source.data is not None else None
-    params = [cv2.CAP_PROP_FORMAT, -1] if raw_packets else []
+    threads = cpu_decoder_threads()
+    params = [cv2.CAP_PROP_FORMAT, -1] if raw_packets else ([cv2.CAP_PROP_N_THREADS, threads] if threads else [])
     capture = cv2.VideoCapture(source.path if buffer is None else buffer, cv2.CAP_FFMPEG, params)
     try:
         if not capture.isOpened():

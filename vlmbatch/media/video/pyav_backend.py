@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from vlmbatch.media.video.base import VideoBackend, walk_frames
-from vlmbatch.media.video.options import VideoOptions
+from vlmbatch.media.video.options import VideoOptions, cpu_decoder_threads
 from vlmbatch.media.video.probe import StreamIndex, open_container
 from vlmbatch.media.video.sampling import nearest_frame
 from vlmbatch.media.refs import MediaSource
@@ -31,6 +31,8 @@ class PyAVBackend(VideoBackend):
         with open_container(source) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
+            if cpu_decoder_threads():
+                stream.thread_count = cpu_decoder_threads()
             start = stream.start_time or 0
             time_base = stream.time_base
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video.base import VideoBackend, fill_missing
-from vlmbatch.media.video.options import VideoOptions
+from vlmbatch.media.video.options import VideoOptions, cpu_decoder_threads
 from vlmbatch.media.video.probe import StreamIndex
 from vlmbatch.media.refs import MediaSource
 
@@ -33,7 +33,7 @@ class TorchCodecBackend(VideoBackend):
                 return VideoDecoder(
                     source.path if source.path is not None else source.data,
                     dimension_order="NHWC",
-                    num_ffmpeg_threads=options.num_ffmpeg_threads,
+                    num_ffmpeg_threads=options.num_ffmpeg_threads or cpu_decoder_threads(),
                     seek_mode=options.seek_mode,
                 )
             except (RuntimeError, ValueError) as exc:
