@@ -89,9 +89,8 @@ def set_cpu_decoder_threads(count: int) -> None:
     """Threads each CPU decoder (OpenCV, PyAV, torchcodec unless a request sets
     `num_ffmpeg_threads`) may use in this process; 0 = each library's default (about one per
     core). Preprocessing pool workers set 1: the pool is the parallelism, and a
-    frame-threaded decoder refills its pipeline after every seek (measured here on a 60 s
-    720p clip with 1 s keyframes: OpenCV's CPU per 16-frame request 0.62 s with its
-    default threads, 0.47 s with one, against 0.40 s for PyAV)."""
+    threaded decoder refills its pipeline after every seek (measured on 60 s 720p h264
+    clips: 8-19% less CPU per request with one thread, BENCHMARKS.md)."""
     global _cpu_decoder_threads
     _cpu_decoder_threads = max(0, count)
 
