@@ -34,7 +34,7 @@ import torch
 from vlmbatch.config import env_str
 from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.media.gpu_image import gpu_decodable, preprocess_images
-from vlmbatch.media.image import _opened, load_image
+from vlmbatch.media.image import load_image, opened_image
 from vlmbatch.media.refs import MediaContext, resolve_media
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def load_image_or_jpeg(ref: Any, ctx: MediaContext, model_path: str, param: str 
         raise RowError(ErrorType.MEDIA_NOT_FOUND, f"cannot read image {source.name}: {exc}", param) from exc
     if not gpu_decodable(data):
         return load_image(data, ctx, param)
-    with _opened(io.BytesIO(data), source.name, ctx, param) as image:
+    with opened_image(io.BytesIO(data), source.name, ctx, param) as image:
         width, height = image.size
         image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
         image.load()  # entropy-decodes every block at 1/8 scale: truncation and corruption show

@@ -57,7 +57,7 @@ def probe_image(ref: Any, ctx: MediaContext | None = None, param: str = "image")
         _check_pixels(ref.size, ctx, "<PIL image>", param)
         return ImageSize(*ref.size)
     source, name = _open_source(ref, ctx, param)
-    with _opened(source, name, ctx, param) as image:
+    with opened_image(source, name, ctx, param) as image:
         width, height = image.size
         image.verify()  # must come straight after open; it also reads a PNG's trailing eXIf chunk
         if _exif_orientation(image) in _TRANSPOSING_ORIENTATIONS:
@@ -99,7 +99,7 @@ def _check_pixels(size: tuple[int, int], ctx: MediaContext, name: str, param: st
 
 
 @contextmanager
-def _opened(source: Path | BinaryIO, name: str, ctx: MediaContext, param: str) -> Iterator[Image.Image]:
+def opened_image(source: Path | BinaryIO, name: str, ctx: MediaContext, param: str) -> Iterator[Image.Image]:
     """Open an image with its size checked against the pixel limit before any decoding;
     every PIL failure inside the block becomes that row's MEDIA_DECODE / MEDIA_TOO_LARGE."""
     try:
@@ -118,7 +118,7 @@ def _opened(source: Path | BinaryIO, name: str, ctx: MediaContext, param: str) -
 
 
 def _decode(source: Path | BinaryIO, name: str, ctx: MediaContext, param: str) -> Image.Image:
-    with _opened(source, name, ctx, param) as image:
+    with opened_image(source, name, ctx, param) as image:
         image.load()  # a full decode, so truncated files fail here and not later
         return _to_rgb(image)
 
