@@ -71,7 +71,6 @@ class Qwen2VLAdapter(ProcessorAdapter):
             kwargs["cap_pixels_per_frame"] = True
         return kwargs
 
-
     def _pending_image_inputs(self, jpegs: list[Any]) -> dict[str, torch.Tensor]:
         """Each image's (1, h, w) patch grid, exactly as the image processor derives it
         (`smart_resize` with its pixel bounds, patch and merge sizes): M-RoPE positions and
