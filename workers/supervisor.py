@@ -4,10 +4,10 @@ Each child is pinned to its GPU with `CUDA_VISIBLE_DEVICES` before it starts (CU
 it once, at initialisation), and given its own share of this process's cores
 (`VLMBATCH_WORKER_CPUS`: 8 each for two GPUs on 16 cores), which sizes its preprocessing
 pool and, unless `VLMBATCH_PIN_WORKER_CPUS=0`, is all it runs on. Children run in their
-own session so a terminal's Ctrl+C reaches only the supervisor, which forwards every SIGTERM/SIGINT/SIGQUIT exactly once:
-that keeps Celery's "first Ctrl+C warm, second cold" meaning intact. A child that dies
-(OOM, `kill -9`, a poison row) is restarted after a short back-off; its shard comes back to the
-queue through the visibility timeout.
+own session so a terminal's Ctrl+C reaches only the supervisor, which forwards every
+SIGTERM/SIGINT/SIGQUIT exactly once: that keeps Celery's "first Ctrl+C warm, second cold"
+meaning intact. A child that dies (OOM, `kill -9`, a poison row) is restarted after a
+short back-off; its shard comes back to the queue through the visibility timeout.
 """
 
 from __future__ import annotations
