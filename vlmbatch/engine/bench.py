@@ -138,10 +138,6 @@ class RunResult:
         return self.output_tokens / self.seconds
 
 
-def _dtype(engine) -> torch.dtype:
-    return engine.model.decoder.embed_tokens.weight.dtype
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -317,7 +313,7 @@ def decode_roofline(engine, adapter, batch: int, ceilings: dict[str, float], ste
     """Measured decode-step time at `batch` sequences (at most the engine's max_num_seqs)
     vs the time the ceilings allow."""
     batch = min(batch, engine.scheduler.max_num_seqs)
-    prompts = w1_prompts(adapter, batch, seed=batch, pixel_dtype=_dtype(engine))
+    prompts = w1_prompts(adapter, batch, seed=batch, pixel_dtype=engine.runner.dtype)
     result = run_engine(engine, prompts, [steps] * batch, f"decode-b{batch}")
     context = PROMPT_TOKENS + steps // 2
     nbytes, flops = decode_step_cost(engine.model.decoder, batch, context)
@@ -334,7 +330,7 @@ def profile_vision(engine, adapter, images: int = 56, top: int = 10) -> dict[str
     prefill step of W1 encodes) and its costliest ops: the tower dominated W1 once."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = w1_prompts(adapter, images, seed=20_000, pixel_dtype=_dtype(engine))
+    prompts = w1_prompts(adapter, images, seed=20_000, pixel_dtype=engine.runner.dtype)
     items = [engine.model.split_media(p.mm_inputs, p.mm_hashes) for p in prompts]
     engine.model.encode(items[:2])  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
@@ -361,7 +357,7 @@ def profile_decode(engine, adapter, batch: int, steps: int = 8, top: int = 12) -
     from torch.profiler import ProfilerActivity, profile
 
     batch = min(batch, engine.scheduler.max_num_seqs)
-    for i, prompt in enumerate(w1_prompts(adapter, batch, seed=10_000 + batch, pixel_dtype=_dtype(engine))):
+    for i, prompt in enumerate(w1_prompts(adapter, batch, seed=10_000 + batch, pixel_dtype=engine.runner.dtype)):
         engine.add_request(f"profile-{i}", prompt, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
     while engine.stats.num_decode_steps == 0 or engine.scheduler.waiting:
         engine.step()

@@ -24,7 +24,7 @@ from vlmbatch.engine.sequence import MultimodalData, Sequence, SequenceStatus
 from vlmbatch.engine.models.vlm import FAMILIES, build_model
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.gpu_batch import split_media
-from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+from vlmbatch.models.base import ModelAdapter, PreparedPrompt, cast_pixels
 
 
 @dataclass
@@ -151,11 +151,8 @@ class PagedEngine(Engine):
     def _multimodal_data(self, prompt: PreparedPrompt) -> MultimodalData:
         """Media items, the prompt positions their tokens fill, and M-RoPE positions."""
         items = split_media(self.model, prompt.mm_inputs, prompt.mm_hashes)  # pending JPEGs too
-        dtype = self.model.decoder.embed_tokens.weight.dtype
-        for item in items:  # pixels already on the GPU (GPU video decoders) wait there: keep them
-            for key, value in item.inputs.items():  # in the tower's dtype, which it casts to anyway
-                if key.startswith("pixel_values") and value.is_cuda and value.is_floating_point():
-                    item.inputs[key] = value.to(dtype)
+        for item in items:  # pixels already on the GPU (GPU video decoders) wait there: in the tower's dtype
+            cast_pixels(item.inputs, self.runner.dtype, on_device_only=True)
         ids = torch.tensor(prompt.prompt_token_ids)
         media_index = torch.full_like(ids, -1)
         spans, row = [], 0

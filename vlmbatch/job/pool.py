@@ -449,6 +449,7 @@ def _row_preparer(adapter_spec: AdapterSpec | None) -> Callable[[Task], Prepared
     and the adapter and media loader are rebuilt only when a row's preparation asks for
     other ones (another model spelling or chat template; another dataset or media options)."""
     from vlmbatch.job.prepare import media_loader_for, prepare_row
+    from vlmbatch.models.base import cast_pixels
 
     adapter = adapter_spec.load() if adapter_spec is not None else None
     media_for: tuple[str, dict[str, Any]] | None = None
@@ -466,21 +467,10 @@ def _row_preparer(adapter_spec: AdapterSpec | None) -> Callable[[Task], Prepared
         item = prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media,
                            defer_jpegs=preparation.defer_jpegs)
         if item.prepared is not None and preparation.pixel_dtype is not None:
-            cast_pixels(item.prepared.mm_inputs, preparation.pixel_dtype)
+            cast_pixels(item.prepared.mm_inputs, preparation.pixel_dtype)  # less to pickle
         return item
 
     return prepare
-
-
-def cast_pixels(mm_inputs: dict[str, Any], dtype_name: str) -> None:
-    """Cast the floating `pixel_values*` tensors to `dtype_name`, the engine's dtype (the
-    same rule the engines apply when they move a batch to the device)."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    for key, value in mm_inputs.items():
-        if key.startswith("pixel_values") and isinstance(value, torch.Tensor) and value.is_floating_point():
-            mm_inputs[key] = value.to(dtype)
 
 
 class RowPreparer:

@@ -15,6 +15,21 @@ from typing import Any
 from vlmbatch.media.types import VideoFrames
 
 
+def cast_pixels(inputs: dict[str, Any], dtype: Any, on_device_only: bool = False) -> None:
+    """Cast the floating `pixel_values*` tensors of `inputs` to `dtype` (a torch dtype or its
+    name), in place: the vision towers cast pixels to their weights' dtype first thing, so
+    doing it earlier changes no result and halves what bf16/fp16 engines copy and hold.
+    `on_device_only` leaves host tensors alone (the engine's thread should not spend CPU
+    on them)."""
+    import torch
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    for key, value in inputs.items():
+        if key.startswith("pixel_values") and isinstance(value, torch.Tensor) and value.is_floating_point():
+            if not on_device_only or value.device.type != "cpu":
+                inputs[key] = value.to(dtype)
+
+
 @dataclass
 class PreparedPrompt:
     """One request, ready for an engine.
