@@ -10,8 +10,10 @@ import typer
 def bench_kernels(
     json_out: Path = typer.Option(Path("bench-kernels.json"), "--json", help="Where to write the figures."),
     config_sweep: bool = typer.Option(True, help="Also sweep launch configs (block sizes, warps, stages)."),
+    sections: str = typer.Option("prefill,decode,linear", help="What to time, comma-separated: prefill, decode, linear."),
 ) -> None:
-    """Check every kernel in bf16/fp16, then time decode/prefill attention against SDPA and the GPU's ceilings."""
+    """Check every kernel in bf16/fp16, then time prefill and decode attention against SDPA, and the
+    decode-step linear layers against cuBLAS, next to the GPU's ceilings."""
     import torch
 
     if not torch.cuda.is_available():
@@ -19,7 +21,7 @@ def bench_kernels(
         raise typer.Exit(2)
     from vlmbatch.kernels.bench import run_kernel_bench
 
-    report = run_kernel_bench(json_out, sweep_configs=config_sweep, echo=typer.echo)
+    report = run_kernel_bench(json_out, sweep_configs=config_sweep, echo=typer.echo, sections=tuple(sections.split(",")))
     if not report.ok:
         raise typer.Exit(1)
 

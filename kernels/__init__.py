@@ -16,6 +16,7 @@ from .reference import (
 )
 from .norm import rms_norm
 from .rotary import apply_rotary
+from .skinny_gemm import SkinnyConfig, skinny_linear
 
 __all__ = [
     "DecodeConfig",
@@ -29,6 +30,8 @@ __all__ = [
     "paged_prefill_attention_ref",
     "rms_norm",
     "rms_norm_ref",
+    "SkinnyConfig",
+    "skinny_linear",
     "store_kvcache",
     "store_kvcache_ref",
 ]

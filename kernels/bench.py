@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
@@ -32,6 +33,7 @@ from .reference import (
 )
 from .norm import rms_norm
 from .rotary import apply_rotary
+from .skinny_gemm import SkinnyConfig, skinny_linear
 from .testing import TOLERANCE, PagedKV, make_paged_kv
 
 HEAD_DIM = 128
@@ -56,6 +58,17 @@ PREFILL_CONFIGS = (
     PrefillConfig(64, 32, 4, 2),
 )
 PREFILL_BATCH, PREFILL_LEN = 64, 512
+# (name, out_features, in_features) of each decoder linear layer (q/k/v and gate/up fused).
+LINEAR_SHAPES = {
+    "3B": (("qkv", 2560, 2048), ("o", 2048, 2048), ("gate_up", 22016, 2048), ("down", 2048, 11008), ("lm_head", 151936, 2048)),
+    "7B": (("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944), ("lm_head", 152064, 3584)),
+}
+LINEAR_ROWS = (1, 16, 64)
+LINEAR_BYTES_PER_GRAPH = 768 << 20  # weights cycled through per timed graph: far past the 50 MB L2
+SKINNY_CONFIGS = tuple(
+    SkinnyConfig(block_n, block_k, warps, stages)
+    for block_n in (16, 32, 64) for block_k in (128, 256, 512) for warps, stages in ((4, 3), (4, 5), (8, 4))
+)  # fmt: skip
 
 
 @dataclass
@@ -67,6 +80,7 @@ class BenchReport:
     checks: list[dict] = field(default_factory=list)
     decode: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
+    linear: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -257,6 +271,66 @@ def bench_prefill(device: torch.device, matmul_tflop_s: float) -> list[dict]:
     return rows
 
 
+def graph_ms_per_call(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
+    """Milliseconds per call of `fn` over `weights` in turn, captured in one CUDA graph as
+    the engine's decode steps are (no launch gaps; each weight is read from memory)."""
+    fn(weights[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    return median_ms(graph.replay) / len(weights)
+
+
+def bench_linear(device: torch.device, copy_tb_s: float, sweep_configs: bool = True) -> list[dict]:
+    """Decode-step linear layers: cuBLAS (`F.linear`) against `skinny_linear` (every config
+    of SKINNY_CONFIGS when sweeping, the default otherwise); weight_tb_s = weight bytes / time."""
+    rows = []
+    for model, shapes in LINEAR_SHAPES.items():
+        for name, n, k in shapes:
+            nbytes = n * k * torch.bfloat16.itemsize
+            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(max(1, LINEAR_BYTES_PER_GRAPH // nbytes))]
+            for num_rows in LINEAR_ROWS:
+                x = torch.randn(num_rows, k, device=device, dtype=torch.bfloat16)
+                expected = F.linear(x, weights[0])
+
+                def add(variant: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                    try:
+                        fn(weights[0])
+                    except OutOfResources:  # a config whose tiles do not fit in shared memory
+                        return
+                    error = ((fn(weights[0]).float() - expected.float()).norm() / expected.float().norm()).item()
+                    ms = graph_ms_per_call(fn, weights)
+                    tb_s = nbytes / ms / 1e9
+                    rows.append({"model": model, "layer": name, "n": n, "k": k, "rows": num_rows, "variant": variant,
+                                 "us": 1000 * ms, "weight_tb_s": tb_s, "pct_of_copy": 100 * tb_s / copy_tb_s, "rel_err": error})  # fmt: skip
+
+                add("cublas F.linear", lambda w: F.linear(x, w))
+                for config in SKINNY_CONFIGS if sweep_configs else (SkinnyConfig(),):
+                    add(f"skinny {config}", lambda w, c=config: skinny_linear(x, w, None, c))
+            del weights
+    return rows
+
+
+def best_linear_rows(rows: list[dict]) -> list[dict]:
+    """Per (model, layer, rows): cuBLAS and the fastest skinny config."""
+    best: dict[tuple, dict] = {}
+    out = []
+    for row in rows:
+        key = (row["model"], row["layer"], row["rows"])
+        if row["variant"].startswith("cublas"):
+            out.append(row)
+        elif key not in best or row["us"] < best[key]["us"]:
+            best[key] = row
+    return out + list(best.values())
+
+
 def format_table(rows: list[dict], columns: list[str]) -> str:
     """A fixed-width text table (the device has no rich)."""
     cells = [[_cell(r.get(c)) for c in columns] for r in rows]
@@ -273,7 +347,8 @@ def _cell(value: object) -> str:
 
 
 def run_kernel_bench(
-    json_path: Path | None, sweep_configs: bool = True, echo: Callable[[str], None] = print
+    json_path: Path | None, sweep_configs: bool = True, echo: Callable[[str], None] = print,
+    sections: tuple[str, ...] = ("prefill", "decode", "linear"),
 ) -> BenchReport:
     """Check, then time; print the tables and write them to `json_path` when given."""
     device = torch.device("cuda")
@@ -294,12 +369,18 @@ def run_kernel_bench(
         echo("FAILED: a kernel disagrees with its reference (see above); timings follow anyway")
     report.ceilings = measure_ceilings(device)
     echo(f"\nceilings: {report.ceilings}")
-    report.prefill = bench_prefill(device, report.ceilings["matmul_bf16_tflop_s"])
-    section(f"prefill (bf16, {PREFILL_BATCH} x {PREFILL_LEN} causal, 3B heads)", report.prefill,
-            ["prefix", "page", "variant", "ms", "tflop_s", "pct_of_matmul"])  # fmt: skip
-    report.decode = bench_decode(device, report.ceilings["copy_tb_s"], sweep_configs)
-    section("decode (bf16; kv_tb_s = K and V bytes read / time)", report.decode,
-            ["model", "batch", "context", "page", "variant", "ms", "kv_tb_s", "pct_of_copy"])  # fmt: skip
+    if "prefill" in sections:
+        report.prefill = bench_prefill(device, report.ceilings["matmul_bf16_tflop_s"])
+        section(f"prefill (bf16, {PREFILL_BATCH} x {PREFILL_LEN} causal, 3B heads)", report.prefill,
+                ["prefix", "page", "variant", "ms", "tflop_s", "pct_of_matmul"])  # fmt: skip
+    if "decode" in sections:
+        report.decode = bench_decode(device, report.ceilings["copy_tb_s"], sweep_configs)
+        section("decode (bf16; kv_tb_s = K and V bytes read / time)", report.decode,
+                ["model", "batch", "context", "page", "variant", "ms", "kv_tb_s", "pct_of_copy"])  # fmt: skip
+    if "linear" in sections:
+        report.linear = bench_linear(device, report.ceilings["copy_tb_s"], sweep_configs)
+        section("decode linear layers (bf16; weight_tb_s = weight bytes / time; cuBLAS and the best skinny config)",
+                best_linear_rows(report.linear), ["model", "layer", "rows", "variant", "us", "weight_tb_s", "pct_of_copy", "rel_err"])  # fmt: skip
     if json_path is not None:
         echo(f"\nwrote {json_path}")
     return report

@@ -39,6 +39,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-config-sweep", action="store_true", help="skip the launch-config sweeps (faster)")
     parser.add_argument("--tests", action="store_true", help="run the kernel tests on the GPU first")
+    parser.add_argument("--sections", default="prefill,decode,linear", help="comma-separated: prefill, decode, linear")
     args = parser.parse_args()
     import_kernels_package()
     if args.tests:
@@ -50,7 +51,8 @@ def main() -> int:
     from vlmbatch.kernels.bench import run_kernel_bench
 
     out = os.environ.get("OUT")
-    report = run_kernel_bench(Path(out) / "kernels_bench.json" if out else None, sweep_configs=not args.no_config_sweep)
+    report = run_kernel_bench(Path(out) / "kernels_bench.json" if out else None, sweep_configs=not args.no_config_sweep,
+                              sections=tuple(args.sections.split(",")))
     return 0 if report.ok else 1
 
 

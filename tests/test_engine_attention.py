@@ -76,3 +76,73 @@ def test_store_writes_each_token_into_its_slot():
 def test_auto_is_torch_on_cpu():
     assert available_backends(torch.device("cpu")) == ["torch"]
     assert create_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def _fake_flash_attn(root, *files):
+    for name in files:
+        path = root / "flash_attn" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+
+@pytest.mark.parametrize(
+    ("files", "flavour"),
+    [
+        (("cute/__init__.py",), "fa4"),  # the flash-attn-4 wheel: a namespace holding `cute`
+        (("__init__.py",), "fa2"),  # the flash-attn 2/3 package
+        (("README",), None),  # a bare namespace directory is no FlashAttention
+    ],
+)
+def test_flash_attn_flavour_follows_what_is_installed(tmp_path, monkeypatch, files, flavour):
+    import sys
+
+    from vlmbatch.engine.attention import flash_attn_flavour
+
+    _fake_flash_attn(tmp_path, *files)
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    # Only the fake on the path: namespace packages merge every path entry's `flash_attn`,
+    # so a real FlashAttention installed elsewhere would otherwise join the fake.
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    monkeypatch.setattr(sys, "path_importer_cache", {})
+    assert flash_attn_flavour() == flavour
+
+
+GPU_BACKENDS = available_backends(torch.device("cuda")) if torch.cuda.is_available() else []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", GPU_BACKENDS or ["torch"])
+def test_every_gpu_backend_matches_the_reference_in_bf16(name):
+    """Real-model head shapes (16 query / 2 KV heads, dim 128) and the GPU block size."""
+    torch.manual_seed(1)
+    block, kv_heads, heads, dim, device = 256, 2, 16, 128, torch.device("cuda")
+    context_lens, q_lens = [700, 300, 513], [200, 300, 1]
+    blocks_per_seq = [(c + block - 1) // block for c in context_lens]
+    order = torch.randperm(sum(blocks_per_seq)).tolist()
+    tables, at = [], 0
+    for n in blocks_per_seq:
+        tables.append(order[at : at + n] + [-1] * (max(blocks_per_seq) - n))
+        at += n
+    shape = (sum(blocks_per_seq), block, kv_heads, dim)
+    k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    to = dict(device=device, dtype=torch.int32)
+    meta = AttentionMetadata(
+        is_prefill=True, slot_mapping=torch.zeros(1, device=device, dtype=torch.int64),
+        block_tables=torch.tensor(tables, **to), context_lens=torch.tensor(context_lens, **to),
+        cu_seqlens_q=torch.tensor([0, *q_lens]).cumsum(0).to(**to), cu_seqlens_k=torch.tensor([0, *context_lens]).cumsum(0).to(**to),
+        max_q_len=max(q_lens), max_context_len=max(context_lens), q_lens=q_lens, context_lens_host=context_lens,
+    )
+    backend = create_backend(name, device)
+    q = torch.randn(sum(q_lens), heads, dim, device=device, dtype=torch.bfloat16)
+    ref_args = (k_cache.float(), v_cache.float(), meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0.088)
+    expected = paged_prefill_attention_ref(q.float(), *ref_args)
+    flat = k_cache.view(-1, kv_heads, dim)
+    slots = torch.cat([torch.tensor([tables[b][i // block] * block + i % block for i in range(c - n, c)]) for b, (c, n) in enumerate(zip(context_lens, q_lens))]).to(device)
+    out = backend.prefill(q, flat[slots], v_cache.view(-1, kv_heads, dim)[slots], k_cache, v_cache, meta, 0.088)
+    assert (out.float() - expected).norm() / expected.norm() < 1e-2
+    q1 = torch.randn(3, heads, dim, device=device, dtype=torch.bfloat16)
+    decoded = backend.decode(q1, k_cache, v_cache, meta, 0.088)
+    expected = paged_decode_attention_ref(q1.float(), k_cache.float(), v_cache.float(), meta.block_tables, meta.context_lens, 0.088)
+    assert (decoded.float() - expected).norm() / expected.norm() < 1e-2

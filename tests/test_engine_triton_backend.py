@@ -2,12 +2,17 @@
 
 The interpreter must be switched on before triton is imported, so the check runs in a
 fresh process: greedy tokens with our kernels (KV write, paged varlen prefill with a
-chunk and a prefix-cache hit, split-KV decode, fused SiLU-and-mul) must equal transformers' generate().
+chunk and a prefix-cache hit, split-KV decode, fused SiLU-and-mul, and the decode-step
+linear layers through the skinny-GEMM kernel where the measured policy says, or all of
+them) must equal
+transformers' generate().
 """
 
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -20,7 +25,8 @@ SCRIPT = textwrap.dedent(
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.models.registry import load_adapter, load_hf_model
 
-    path = sys.argv[1]
+    path, decode_linear = sys.argv[1], sys.argv[2]
+    os.environ["VLMBATCH_DECODE_LINEAR"] = decode_linear
     adapter = load_adapter(path)
     engine = PagedEngine(adapter, path, dtype="float32", device="cpu", attention_backend="triton",
                          num_kv_blocks=16, block_size=16, max_num_batched_tokens=24)
@@ -32,6 +38,9 @@ SCRIPT = textwrap.dedent(
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert engine.stats.num_chunked_prefills > 0 and engine.stats.num_prefix_hit_tokens > 0, engine.stats
+    skinny_layers = [m for m in engine.model.decoder.modules() if getattr(m, "skinny", None) is not None]
+    layers = len(engine.model.decoder.layers)
+    assert len(skinny_layers) == {"auto": layers + 1, "skinny": 4 * layers + 1}[decode_linear]  # gate/up + LM head, or all
     hf = load_hf_model(path, "float32", "cpu")
     expected = hf.generate(**hf_inputs(adapter, prompts[:1], torch.device("cpu"), hf), max_new_tokens=4,
                            min_new_tokens=4, do_sample=False)[0, prompts[0].num_tokens:].tolist()
@@ -48,7 +57,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_backend_matches_transformers_under_the_interpreter(tiny_qwen):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_qwen)], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("decode_linear", ["auto", "skinny"])
+def test_triton_backend_matches_transformers_under_the_interpreter(tiny_qwen, decode_linear):
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_qwen), decode_linear], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 

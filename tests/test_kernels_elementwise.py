@@ -15,6 +15,7 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfi
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
 from vlmbatch.kernels import apply_rotary, apply_rotary_ref, rms_norm, rms_norm_ref, store_kvcache, store_kvcache_ref
+from vlmbatch.kernels.skinny_gemm import SkinnyConfig, skinny_linear
 from vlmbatch.kernels.testing import TOLERANCE, kernel_target
 
 TARGET = kernel_target()
@@ -105,3 +106,32 @@ def test_rotary_reference_with_gathered_mrope_cos_sin_is_hugging_faces_mrope():
     ref_q, ref_k = apply_rotary_ref(q, k, cos[0], sin[0])
     torch.testing.assert_close(ref_q, hf_q[0])
     torch.testing.assert_close(ref_k, hf_k[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "bias", "config"),
+    [
+        (1, 96, 256, True, SkinnyConfig(block_n=32, block_k=128)),  # one decoding sequence, q/k/v with bias
+        (5, 80, 200, False, SkinnyConfig(block_n=32, block_k=64)),  # ragged N and K: the masked paths
+        (64, 64, 128, False, SkinnyConfig(block_n=16, block_k=128)),  # the largest batch it serves
+    ],
+)
+def test_skinny_linear_matches_f_linear(dtype, rows, n, k, bias, config):
+    x = randn(rows, k, dtype=dtype, seed=3)
+    weight = randn(n, k, dtype=dtype, seed=4) / k**0.5
+    b = randn(n, dtype=dtype, seed=5) if bias else None
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+
+    out = skinny_linear(x, weight, b, config)
+
+    assert out.dtype == dtype and out.shape == (rows, n)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@needs_kernels
+def test_skinny_linear_refuses_what_it_does_not_serve():
+    with pytest.raises(ValueError, match="at most"):
+        skinny_linear(randn(65, 32, dtype=DTYPES[0], seed=0), randn(16, 32, dtype=DTYPES[0], seed=1))

@@ -10,7 +10,9 @@ write into a spare block instead, so every backend can store with one scatter.
 * `torch`: plain PyTorch (gather + SDPA); runs anywhere, the CPU parity tests use it.
 * `triton`: our kernels in `vlmbatch.kernels` (lazy import: they need a GPU or
   `TRITON_INTERPRET=1`).
-* `flash-attn`: the `flash_attn` package's paged API, when it is installed.
+* `flash-attn`: FlashAttention's paged API when installed: FlashAttention-4
+  (`flash_attn.cute`, the `flash-attn-4` wheel, CuTe DSL) or FlashAttention-2/3
+  (`flash_attn`).
 """
 
 from __future__ import annotations
@@ -142,17 +144,39 @@ class TritonBackend(AttentionBackend):
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
+def flash_attn_flavour() -> str | None:
+    """Which FlashAttention API is importable: "fa4" (`flash_attn.cute`), "fa2" (the
+    `flash_attn` package's own functions) or None. The FA4 wheel installs `flash_attn` as
+    a namespace holding only `cute`, so finding `flash_attn` alone proves nothing."""
+    try:
+        if importlib.util.find_spec("flash_attn.cute") is not None:
+            return "fa4"
+        spec = importlib.util.find_spec("flash_attn")
+    except ImportError:
+        return None
+    return "fa2" if spec is not None and spec.origin not in (None, "namespace") else None
+
+
 class FlashAttnBackend(AttentionBackend):
-    """FlashAttention-2/3's paged API (`flash_attn` package). Needs block_size % 256 == 0."""
+    """FlashAttention over the paged cache: FlashAttention-4 (`flash_attn.cute`) when
+    installed, else FlashAttention-2/3 (`flash_attn`, which needs block_size % 256 == 0).
+    Causal masks align to the bottom right, the same offset the paged contract uses."""
 
     name = "flash-attn"
 
     def __init__(self) -> None:
-        import flash_attn
-
-        self.flash_attn = flash_attn
+        self.flavour = flash_attn_flavour()
+        if self.flavour is None:
+            raise ImportError("the flash-attn backend needs `flash_attn.cute` (pip install flash-attn-4) or `flash_attn`")
+        self.flash_attn = importlib.import_module("flash_attn.cute" if self.flavour == "fa4" else "flash_attn")
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+        if self.flavour == "fa4":
+            return self.flash_attn.flash_attn_varlen_func(
+                q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_q_len,
+                max_seqlen_k=meta.max_context_len, seqused_k=meta.context_lens, page_table=meta.block_tables,
+                softmax_scale=scale, causal=True,
+            )[0]
         return self.flash_attn.flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_q_len, max_seqlen_k=meta.max_context_len, softmax_scale=scale,
@@ -160,6 +184,11 @@ class FlashAttnBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, meta, scale):
+        if self.flavour == "fa4":  # one query per sequence: the batched (not varlen) layout
+            return self.flash_attn.flash_attn_varlen_func(
+                q.unsqueeze(1), k_cache, v_cache, seqused_k=meta.context_lens, page_table=meta.block_tables,
+                softmax_scale=scale, causal=True,
+            )[0].squeeze(1)
         return self.flash_attn.flash_attn_with_kvcache(
             q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens, block_table=meta.block_tables,
             softmax_scale=scale, causal=True,
@@ -191,7 +220,7 @@ def available_backends(device: torch.device) -> list[str]:
     names = []
     if importlib.util.find_spec("triton") is not None:
         names.append("triton")
-    if importlib.util.find_spec("flash_attn") is not None:
+    if flash_attn_flavour() is not None:
         names.append("flash-attn")
     names.append("torch")
     path = _measurements_file()

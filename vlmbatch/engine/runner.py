@@ -231,29 +231,19 @@ class ModelRunner:
         if self.graphs:
             capture = any(g is not None for g in self.graphs.values())
             self.graphs.clear()
-            self.prepare_static_decode(len(self.static["ids"]), capture)
+            self.prepare_static_decode(len(self.static_inputs.ids), capture)
 
     @torch.no_grad()
     def prepare_static_decode(self, max_num_seqs: int, capture: bool) -> None:
         """Static decode buffers for batch sizes up to `max_num_seqs`, captured as CUDA graphs."""
-        n = max_num_seqs
-        self.static = {
-            "ids": torch.zeros(n, dtype=torch.long, device=self.device),
-            "positions": torch.zeros((3, n) if self.model.mrope else (n,), dtype=torch.long, device=self.device),
-            "meta": AttentionMetadata(
-                is_prefill=False,
-                slot_mapping=torch.full((n,), self.pad_slot, dtype=torch.int64, device=self.device),
-                block_tables=torch.full((n, self.max_blocks_per_seq), -1, dtype=torch.int32, device=self.device),
-                context_lens=torch.ones(n, dtype=torch.int32, device=self.device),
-            ),
-        }
-        self.static["meta"].block_tables[:, 0] = self.num_kv_blocks
+        self.static_inputs = StaticDecodeInputs(max_num_seqs, 3 if self.model.mrope else 1, self.max_blocks_per_seq, self.device)
         self.graph_logits: dict[int, torch.Tensor] = {}
         pool = None
         for size in reversed(graph_batch_sizes(max_num_seqs)):
             if not capture:
                 self.graphs[size] = None
                 continue
+            self._stage(size, [], torch.zeros((3, 0) if self.model.mrope else (0,), dtype=torch.long), [], [], [])  # all padding
             meta = self._static_meta_view(size)
             self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
             graph = torch.cuda.CUDAGraph()
@@ -265,39 +255,98 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     def _static_meta_view(self, size: int) -> AttentionMetadata:
-        meta = self.static["meta"]
+        inputs = self.static_inputs
         return AttentionMetadata(
             is_prefill=False,
-            slot_mapping=meta.slot_mapping[:size],
-            block_tables=meta.block_tables[:size],
-            context_lens=meta.context_lens[:size],
+            slot_mapping=inputs.slots[:size],
+            block_tables=inputs.block_tables[:size],
+            context_lens=inputs.context_lens[:size],
             max_context_len=self.max_blocks_per_seq * self.block_size,
         )
 
     def _decode_forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        embeds = self.decoder.embed_tokens(self.static["ids"][:size])
-        hidden = self.decoder(embeds, self.static["positions"][..., :size], self.kv_caches, meta, self.backend)
+        self.static_inputs.spread(size)
+        embeds = self.decoder.embed_tokens(self.static_inputs.ids[:size])
+        hidden = self.decoder(embeds, self.static_inputs.positions[..., :size], self.kv_caches, meta, self.backend)
         return self.decoder.compute_logits(hidden)
 
+    def _stage(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int]) -> None:
+        self.static_inputs.stage(ids, positions, slots, tables, ctx, size, self.pad_slot, self.num_kv_blocks)
+
     def _replay(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int]) -> torch.Tensor:
-        n = len(ids)
-        static, meta = self.static, self.static["meta"]
-        to = dict(device=self.device, non_blocking=True)
-        static["ids"][:n].copy_(torch.tensor(ids).to(**to))
-        static["positions"][..., :n].copy_(positions.to(**to))
-        meta.slot_mapping[:size].fill_(self.pad_slot)
-        meta.slot_mapping[:n].copy_(torch.tensor(slots).to(**to))
-        meta.context_lens[:size].fill_(1)
-        meta.context_lens[:n].copy_(torch.tensor(ctx, dtype=torch.int32).to(**to))
-        host_tables = _padded_tables(tables)
-        width = host_tables.shape[1]
-        meta.block_tables[:size].fill_(-1)
-        meta.block_tables[n:size, 0] = self.num_kv_blocks
-        meta.block_tables[:n, :width].copy_(host_tables.to(**to))
+        self._stage(size, ids, positions, slots, tables, ctx)
         graph = self.graphs[size]
         if graph is None:
             self.graph_logits[size] = self._decode_forward(size, self._static_meta_view(size))
         else:
             graph.replay()
         self.num_graph_replays += 1
-        return self.graph_logits[size][:n]
+        return self.graph_logits[size][:len(ids)]
+
+
+class StaticDecodeInputs:
+    """The decode graphs' input buffers, filled by one host-to-device copy per step.
+
+    Token ids, positions, slots, context lengths and block tables of the `size` rows a
+    graph replays (padding rows included) are packed into one pinned host buffer and
+    copied in one transfer; the graph itself spreads the first four into the static
+    tensors it reads (`spread`, captured with the forward: their place in the packed
+    buffer depends only on `size`), and one device copy places the block tables, whose
+    width varies. A dozen small host-side tensor ops per step used to cost about as much
+    host time as the whole batch-1 forward takes on the GPU. The host buffer is rewritten
+    only after the previous step's tokens were read back, so its transfer has completed.
+    """
+
+    def __init__(self, max_num_seqs: int, position_rows: int, max_blocks: int, device: torch.device):
+        n = max_num_seqs
+        self.position_rows = position_rows
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros((position_rows, n), dtype=torch.long, device=device)
+        if position_rows == 1:
+            self.positions = self.positions[0]
+        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
+        capacity = n * (3 + position_rows + max_blocks)
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.staging = torch.empty(capacity, dtype=torch.int64, device=device)
+
+    def stage(self, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int],
+              size: int, pad_slot: int, pad_block: int) -> None:
+        """Rows [0, len(ids)) from the batch, rows up to `size` padding: slot `pad_slot`,
+        context 1 in block `pad_block`. Table entries past a row's width keep whatever an
+        earlier step left: kernels read a table only up to the row's context length."""
+        n, p = len(ids), self.position_rows
+        width = max((len(t) for t in tables), default=0) or 1
+        host = self.host.numpy()
+        at = 0
+
+        def section(length: int):
+            nonlocal at
+            view = host[at : at + length]
+            at += length
+            return view
+
+        host_ids, host_positions, host_slots, host_ctx = section(size), section(p * size).reshape(p, size), section(size), section(size)
+        host_tables = section(size * width).reshape(size, width)
+        host_ids[:n], host_ids[n:] = ids, 0
+        host_positions[:, :n], host_positions[:, n:] = positions.reshape(p, n).numpy(), 0
+        host_slots[:n], host_slots[n:] = slots, pad_slot
+        host_ctx[:n], host_ctx[n:] = ctx, 1
+        host_tables.fill(-1)
+        for row, table in enumerate(tables):
+            host_tables[row, : len(table)] = table
+        host_tables[n:, 0] = pad_block
+        self.staging[:at].copy_(self.host[:at], non_blocking=True)
+        tables_at = (3 + p) * size
+        self.block_tables[:size, :width].copy_(self.staging[tables_at : tables_at + size * width].view(size, width))
+
+    def spread(self, size: int) -> None:
+        """Ids, positions, slots and context lengths of a `size`-row step from the staging
+        buffer into the static tensors (part of each captured graph)."""
+        p = self.position_rows
+        ids, positions, slots, ctx = self.staging[: (3 + p) * size].split([size, p * size, size, size])
+        self.ids[:size].copy_(ids)
+        self.positions[..., :size].copy_(positions.view(p, size) if p > 1 else positions)
+        self.slots[:size].copy_(slots)
+        self.context_lens[:size].copy_(ctx)

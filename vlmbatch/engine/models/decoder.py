@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
+from vlmbatch.engine.layers.linear import Linear
 from vlmbatch.engine.layers.norm import RMSNorm
 from vlmbatch.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -31,10 +32,21 @@ def _fused_silu_and_mul() -> Callable:
     return fused_silu_and_mul
 
 
+# Where the skinny-GEMM kernel beat cuBLAS on the H200 (`vlmbatch bench kernels --sections
+# linear`, BENCHMARKS.md): the MLP's gate/up and the LM head, up to 16 rows, with these
+# launch shapes (3B: 24.5 vs 26.0 us and 151 vs 161 us at one row; 7B: 70.6 vs 76.9 and
+# 254 vs 269). q/k/v, o and down stay on cuBLAS, which the kernel did not beat.
+SKINNY_ROWS = 16
+GATE_UP_LAUNCH = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
+LM_HEAD_LAUNCH = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5}
+
+
 def use_kernels_in(root: nn.Module, kernels: Any | None, attention_types: tuple[type, ...], mlp_types: tuple[type, ...]) -> None:
-    """Every RMSNorm, attention (its rotary) and gated MLP (its SiLU·mul) under `root`
-    through the fused kernels of `vlmbatch.kernels`, or plain torch (None)."""
+    """Every RMSNorm, attention (its rotary), gated MLP (its SiLU·mul) and few-row linear
+    product under `root` through the kernels of `vlmbatch.kernels`, or plain torch (None)."""
     for module in root.modules():
+        if isinstance(module, Linear):
+            module.use_kernel(kernels)
         if isinstance(module, RMSNorm):
             module.kernel = kernels.rms_norm if kernels is not None else None
         elif isinstance(module, attention_types):
@@ -48,8 +60,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.scale = head_dim**-0.5
         self.rotary: Callable = apply_rotary  # or the fused kernel (`use_kernels`)
 
@@ -71,8 +83,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, skinny_rows=SKINNY_ROWS, skinny_launch=GATE_UP_LAUNCH)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act: Callable = silu_and_mul  # or the fused kernel (`use_kernels`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +119,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.head_dim, bias) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, skinny_rows=SKINNY_ROWS, skinny_launch=LM_HEAD_LAUNCH)
         self.rotary = rotary
 
     @torch.no_grad()
