@@ -73,9 +73,19 @@ def test_store_writes_each_token_into_its_slot():
     torch.testing.assert_close(v_cache.view(-1, KV_HEADS, DIM)[meta.slot_mapping], v)
 
 
-def test_auto_is_torch_on_cpu():
+def test_auto_is_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv("VLMBATCH_ATTENTION_BACKEND", raising=False)
     assert available_backends(torch.device("cpu")) == ["torch"]
     assert create_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_environment_chooses_the_backend_behind_auto(monkeypatch):
+    monkeypatch.setenv("VLMBATCH_ATTENTION_BACKEND", "triton")
+    assert create_backend("auto", torch.device("cpu")).name == "triton"
+    assert create_backend("torch", torch.device("cpu")).name == "torch"  # an explicit choice wins
+    monkeypatch.setenv("VLMBATCH_ATTENTION_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="unknown attention backend 'fastest'"):
+        create_backend("auto", torch.device("cpu"))
 
 
 def _fake_flash_attn(root, *files):

@@ -229,7 +229,10 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` takes the first of `available_backends(device)`."""
+    """`auto` takes `VLMBATCH_ATTENTION_BACKEND` when set (how the CLI commands choose),
+    else the first of `available_backends(device)`."""
+    if name == "auto":
+        name = os.environ.get("VLMBATCH_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
     if name == "auto":
         name = available_backends(device)[0]
     if name not in BACKENDS:
