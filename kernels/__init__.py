@@ -15,13 +15,14 @@ from .reference import (
     store_kvcache_ref,
 )
 from .norm import rms_norm
-from .rotary import apply_rotary
+from .rotary import apply_rotary, apply_rotary_and_store
 from .skinny_gemm import SkinnyConfig, skinny_linear
 
 __all__ = [
     "DecodeConfig",
     "PrefillConfig",
     "apply_rotary",
+    "apply_rotary_and_store",
     "apply_rotary_ref",
     "choose_num_splits",
     "paged_decode_attention",

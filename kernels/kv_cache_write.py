@@ -39,6 +39,16 @@ def _store_kvcache_kernel(
     tl.store(v_cache_ptr + cache_offs, v, mask=mask)
 
 
+def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """What every kernel that writes this step's k/v into the paged cache requires."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must be contiguous and of the same shape")
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match the cache {tuple(k_cache.shape)} and slot_mapping")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError("slot_mapping must be int64")
+
+
 def store_kvcache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -51,12 +61,7 @@ def store_kvcache(
     k and v may be strided views (e.g. slices of a fused qkv projection) as long as each
     head's vector is contiguous; the caches must be contiguous.
     """
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must be contiguous and of the same shape")
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k.shape[0] != slot_mapping.shape[0]:
-        raise ValueError(f"k/v {tuple(k.shape)} do not match the cache {tuple(k_cache.shape)} and slot_mapping")
-    if slot_mapping.dtype != torch.int64:
-        raise ValueError("slot_mapping must be int64")
+    check_cache_write(k, v, k_cache, v_cache, slot_mapping)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     num_tokens, num_heads, head_dim = k.shape

@@ -3,6 +3,8 @@
 cos/sin arrive gathered per token (`[num_tokens, head_dim]`); for M-RoPE the caller has
 already interleaved the temporal/height/width sections into them, so the same kernel
 serves Qwen2-VL's 3-D positions and plain 1-D RoPE. Computed in float32, rounded once.
+`apply_rotary_and_store` also writes the rotated keys and the values into the paged KV
+cache in the same launch: one kernel fewer per layer, which small-batch decode is made of.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_cache_write import check_cache_write
+
 
 @triton.jit
 def _rotate_heads(
@@ -18,7 +22,8 @@ def _rotate_heads(
     cos1, cos2, sin1, sin2, offs_half,
     NUM_HEADS: tl.constexpr, HALF_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """out = x * cos + rotate_half(x) * sin for all heads of one token."""
+    """out = x * cos + rotate_half(x) * sin for all heads of one token; returns both
+    halves, rounded to the output dtype, for a caller that stores them elsewhere too."""
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     mask = (offs_h < NUM_HEADS) & (offs_half < HALF_DIM)
     first_ptrs = x_ptr + token * stride_x_tok + offs_h * stride_x_head + offs_half
@@ -26,19 +31,24 @@ def _rotate_heads(
     x2 = tl.load(first_ptrs + HALF_DIM, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
+    out1 = (x1f * cos1 - x2f * sin1).to(out_ptr.dtype.element_ty)
+    out2 = (x2f * cos2 + x1f * sin2).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + token * stride_o_tok + offs_h * stride_o_head + offs_half
-    tl.store(out_ptrs, x1f * cos1 - x2f * sin1, mask=mask)
-    tl.store(out_ptrs + HALF_DIM, x2f * cos2 + x1f * sin2, mask=mask)
+    tl.store(out_ptrs, out1, mask=mask)
+    tl.store(out_ptrs + HALF_DIM, out2, mask=mask)
+    return out1, out2, mask
 
 
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
     stride_qo_tok, stride_qo_head, stride_ko_tok, stride_ko_head,
     stride_cos_tok, stride_sin_tok,
+    stride_v_tok, stride_v_head, stride_cache_slot, stride_cache_head,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     offs_half = tl.arange(0, BLOCK_HALF)[None, :]
@@ -53,16 +63,41 @@ def _rotary_kernel(
         q_ptr, q_out_ptr, stride_q_tok, stride_q_head, stride_qo_tok, stride_qo_head, token,
         cos1, cos2, sin1, sin2, offs_half, NUM_Q_HEADS, HALF_DIM, BLOCK_QH,
     )  # fmt: skip
-    _rotate_heads(
+    k1, k2, k_mask = _rotate_heads(
         k_ptr, k_out_ptr, stride_k_tok, stride_k_head, stride_ko_tok, stride_ko_head, token,
         cos1, cos2, sin1, sin2, offs_half, NUM_K_HEADS, HALF_DIM, BLOCK_KH,
     )  # fmt: skip
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:
+            offs_h = tl.arange(0, BLOCK_KH)[:, None]
+            cache_offs = slot * stride_cache_slot + offs_h * stride_cache_head + offs_half
+            tl.store(k_cache_ptr + cache_offs, k1, mask=k_mask)
+            tl.store(k_cache_ptr + cache_offs + HALF_DIM, k2, mask=k_mask)
+            v_ptrs = v_ptr + token * stride_v_tok + offs_h * stride_v_head + offs_half
+            tl.store(v_cache_ptr + cache_offs, tl.load(v_ptrs, mask=k_mask), mask=k_mask)
+            tl.store(v_cache_ptr + cache_offs + HALF_DIM, tl.load(v_ptrs + HALF_DIM, mask=k_mask), mask=k_mask)
 
 
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[tokens, q_heads, D]` and k `[tokens, kv_heads, D]` by per-token cos/sin `[tokens, D]`."""
+    return _launch(q, k, cos, sin, None)
+
+
+def apply_rotary_and_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary`, and the rotated keys with `v` written into the paged cache at
+    `slot_mapping` (int64, -1 = skip), as `store_kvcache` would."""
+    check_cache_write(k, v, k_cache, v_cache, slot_mapping)
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    return _launch(q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
+
+
+def _launch(q, k, cos, sin, store) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if head_dim % 2 or k.shape[::2] != q.shape[::2] or cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
@@ -73,15 +108,18 @@ def apply_rotary(
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    v, k_cache, v_cache, slot_mapping = store if store is not None else (k, k_out, k_out, k_out)  # placeholders when not storing
     if num_tokens:
         half = head_dim // 2
         _rotary_kernel[(num_tokens,)](
             q, k, cos, sin, q_out, k_out,
+            v, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
             cos.stride(0), sin.stride(0),
+            v.stride(0), v.stride(1), k_cache.stride(-3), k_cache.stride(-2),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF_DIM=half,
             BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
-            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store is not None,
         )  # fmt: skip
     return q_out, k_out

@@ -225,3 +225,31 @@ def test_streamed_texts_grow_into_the_final_text(qwen_engine):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [(o.request_id, o.finished, o.outputs[0].text) for o in outputs] == [("b", True, texts[-1])]
+
+
+def test_asynchronous_decoding_gives_the_synchronous_tokens(tiny_qwen):
+    """Decode step n + 1 is launched on step n's tokens before the host reads them: EOS,
+    stop strings, length limits and an abort while a step is in flight must come out as
+    when every step is awaited."""
+    path = str(tiny_qwen)
+    adapter = load_adapter(path)
+    texts = [qwen_prompt(" ".join(WORDS[i : i + 5]), 0, False) for i in range(6)]
+    params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0, ignore_eos=i % 2 == 0) for i in range(6)]
+    results = {}
+    for async_decode in (False, True):
+        engine = PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+        engine.async_decode = async_decode
+        for i, (text, p) in enumerate(zip(texts, params)):
+            engine.add_request(str(i), adapter.prepare(text, max_tokens=p.max_tokens), p)
+        engine.add_request("aborted", adapter.prepare(texts[0]), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        finished = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                finished[output.request_id] = output
+            if engine.stats.num_decode_steps == 3 and "aborted" in engine.requests:
+                engine.abort_request("aborted")
+        results[async_decode] = {k: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for k, o in finished.items()}
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert (engine.stats.num_async_decode_steps > 0) == async_decode
+    assert sorted(results[True]) == [str(i) for i in range(6)]
+    assert results[True] == results[False]

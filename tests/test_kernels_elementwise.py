@@ -14,7 +14,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
-from vlmbatch.kernels import apply_rotary, apply_rotary_ref, rms_norm, rms_norm_ref, store_kvcache, store_kvcache_ref
+from vlmbatch.kernels import apply_rotary, apply_rotary_and_store, apply_rotary_ref, rms_norm, rms_norm_ref, store_kvcache, store_kvcache_ref
 from vlmbatch.kernels.skinny_gemm import SkinnyConfig, skinny_linear
 from vlmbatch.kernels.testing import TOLERANCE, kernel_target
 
@@ -135,3 +135,24 @@ def test_skinny_linear_matches_f_linear(dtype, rows, n, k, bias, config):
 def test_skinny_linear_refuses_what_it_does_not_serve():
     with pytest.raises(ValueError, match="at most"):
         skinny_linear(randn(65, 32, dtype=DTYPES[0], seed=0), randn(16, 32, dtype=DTYPES[0], seed=1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_rotary_and_store_equals_rotary_then_store(dtype):
+    num_tokens, q_heads, kv_heads, head_dim = 5, 4, 2, 16
+    qkv = randn(num_tokens, q_heads + 2 * kv_heads, head_dim, dtype=dtype, seed=6)  # strided views, as the engine has them
+    q, k, v = qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads], qkv[:, q_heads + kv_heads :]
+    angles = randn(num_tokens, head_dim // 2, dtype=torch.float32, seed=7).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slot_mapping = torch.tensor([3, 12, -1, 0, 7], dtype=torch.int64, device=TARGET.device)
+    k_cache = randn(2, 8, kv_heads, head_dim, dtype=dtype, seed=8)
+    v_cache = randn(2, 8, kv_heads, head_dim, dtype=dtype, seed=9)
+    expected_q, expected_k = apply_rotary(q, k, cos, sin)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(expected_k, v, expected_k_cache, expected_v_cache, slot_mapping)
+
+    out_q, out_k = apply_rotary_and_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+    assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)

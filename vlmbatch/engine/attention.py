@@ -60,6 +60,12 @@ class AttentionBackend(ABC):
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
 
+    def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta: AttentionMetadata, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k with `rotary`, store the rotated k and v; returns (q, k) rotated."""
+        q, k = rotary(q, k, cos, sin)
+        self.store_kv(k, v, k_cache, v_cache, meta)
+        return q, k
+
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [total_q, heads, dim] -> out, same shape; this step's k/v are already stored."""
@@ -134,6 +140,10 @@ class TritonBackend(AttentionBackend):
 
     def store_kv(self, k, v, k_cache, v_cache, meta):
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta, rotary):
+        """One kernel for both (the decoder's rotary is this backend's fused one)."""
+        return self.kernels.apply_rotary_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
         return self.kernels.paged_prefill_attention(

@@ -269,6 +269,29 @@ def check_backends(engine, reference: LogitReference, backends: list[str], adapt
     return report
 
 
+def check_async_decoding(engine, adapter, tokens: int = 24) -> dict[str, Any]:
+    """Greedy tokens with decode steps launched on the previous step's samples still on
+    the device (the default) against the same prompts with every step awaited. The
+    requests fit in one batch and run the same length, so both runs step identical
+    batches and the tokens must be equal bit for bit (the CPU tests cover staggered
+    finishes and aborts)."""
+    requests = min(64, engine.scheduler.max_num_seqs)
+    prompts = w1_prompts(adapter, requests, seed=30_000, pixel_dtype=engine.runner.dtype)
+    tokens_by_mode = {}
+    for async_decode in (False, True):
+        engine.async_decode = async_decode
+        engine.block_manager.reset_prefix_cache()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"async-check-{async_decode}-{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id.rsplit("-", 1)[1]: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        tokens_by_mode[async_decode] = finished
+    engine.async_decode = True
+    equal = sum(tokens_by_mode[True].get(k) == v for k, v in tokens_by_mode[False].items())
+    return {"requests": requests, "tokens": tokens, "equal": equal, "ok": equal == requests == len(tokens_by_mode[True])}
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -501,6 +524,10 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
             echo(_check_row(name, errors, reference.bound))
         if correctness["fastest_backend"] is not None:
             engine.runner.use_backend(create_backend(correctness["fastest_backend"], device))
+        asynchronous = report["async_decoding"] = phases.run("async-decoding", check_async_decoding, engine, adapter)
+        if asynchronous is not None:
+            echo(f"asynchronous decoding: {asynchronous['equal']}/{asynchronous['requests']} requests with the awaited steps' tokens "
+                 f"-> {'ok' if asynchronous['ok'] else 'FAIL'}")
         for number, workload in enumerate(options.workloads):  # fresh prompts and images: no cache hits across runs
             prompts = w1_prompts(adapter, options.requests, seed=100 + number, pixel_dtype=dtype)
             result = phases.run(f"paged-{workload}", run_engine, engine, prompts, output_lengths(workload, options.requests), workload)
@@ -534,7 +561,8 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
                         echo(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f} calls  {k['kernel']}")
         del engine
         _free(device)
-    report["ok"] = bool(correctness["backends"]) and all(e["ok"] for e in correctness["backends"].values())
+    report["ok"] = (bool(correctness["backends"]) and all(e["ok"] for e in correctness["backends"].values())
+                    and bool(report.get("async_decoding") and report["async_decoding"]["ok"]))
     if save is not None:
         save(report)
     return report

@@ -3,13 +3,21 @@
 `PagedEngine.step()` = schedule (scheduler + block manager) → encode the media of newly
 admitted requests (vision tower, batched, cached by content) → one forward + sampling
 (runner) → append tokens, detokenise incrementally, check EOS / stop strings / length.
+
+Decode steps are asynchronous: while step n runs on the GPU the host already launches
+step n + 1, whose input tokens are step n's samples still on the device, and only then
+reads step n's tokens and checks them. Each sequence carries a placeholder for its token
+in flight, so lengths, positions and block allocation are right for the next step; a
+sequence that turns out to have finished at step n wastes its slot in step n + 1, whose
+token is dropped. Whenever the next step is not a pure decode of the same sequences (an
+admission, a preemption, an abort), the step in flight is finished first.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,7 +25,7 @@ from vlmbatch.engine.attention import create_backend
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
-from vlmbatch.engine.runner import ModelRunner
+from vlmbatch.engine.runner import ModelRunner, PendingTokens
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
 from vlmbatch.engine.sequence import MultimodalData, Sequence, SequenceStatus
@@ -41,6 +49,7 @@ class EngineStats:
     num_encoded_media: int = 0
     num_encoder_cache_hits: int = 0
     num_generated_tokens: int = 0
+    num_async_decode_steps: int = 0  # decode steps launched on the previous step's tokens still on the device
     # Wall seconds per phase (benchmarks read them to see where a run's time goes).
     # `*_launch_s`: host time building inputs and launching the forward; `*_wait_s`:
     # then waiting for the GPU (sampled tokens copied back); `vision_s` is synced only
@@ -52,6 +61,18 @@ class EngineStats:
     decode_launch_s: float = 0.0
     decode_wait_s: float = 0.0
     host_s: float = 0.0
+
+
+PLACEHOLDER = -1  # a sequence's last token while the step that samples it is in flight
+
+
+@dataclass
+class _InFlight:
+    """A launched decode step whose tokens were not read yet."""
+
+    batch: ScheduledBatch
+    pending: PendingTokens
+    waited_s: float = field(default=0.0)
 
 
 class _Detokenizer:
@@ -115,6 +136,8 @@ class PagedEngine(Engine):
         self.stats = EngineStats()
         self._arrivals = 0
         self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
+        self.async_decode = True  # launch decode step n + 1 before reading step n's tokens (module docstring)
+        self._in_flight: _InFlight | None = None
 
     @classmethod
     def is_supported(cls, adapter: ModelAdapter) -> bool:
@@ -184,6 +207,13 @@ class PagedEngine(Engine):
     # ---- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        in_flight = self._in_flight
+        if in_flight is not None and not (self.async_decode and self.scheduler.decodes_next(in_flight.batch.seqs)):
+            self._in_flight = None
+            outputs = self._take_tokens(in_flight)
+            self.stats.decode_wait_s += in_flight.waited_s
+            self.stats.host_s += time.perf_counter() - started - in_flight.waited_s
+            return outputs
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -192,10 +222,39 @@ class PagedEngine(Engine):
         if self.time_phases and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         encoded = time.perf_counter()
-        seqs, tokens = self.runner.run(batch)
-        ran = time.perf_counter()
+        if batch.is_prefill or not self.async_decode:
+            seqs, tokens = self.runner.run(batch)
+            ran = time.perf_counter()
+            self.scheduler.finish_step(batch)
+            self._count(batch)
+            outputs = self._take(seqs, tokens)
+            self._time(batch, scheduled - started + time.perf_counter() - ran, encoded - scheduled, ran - encoded)
+            return outputs
+        # A decode step: launch it on the previous step's tokens, then read those.
+        pending = self.runner.launch(batch, in_flight.pending.tokens if in_flight is not None else None)
+        self.stats.num_async_decode_steps += in_flight is not None
+        launched = time.perf_counter()
+        outputs = self._take_tokens(in_flight) if in_flight is not None else []
         self.scheduler.finish_step(batch)
         self._count(batch)
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                seq.token_ids.append(PLACEHOLDER)
+        self._in_flight = _InFlight(batch, pending)
+        waited = in_flight.waited_s if in_flight is not None else 0.0
+        self._time(batch, scheduled - started + time.perf_counter() - launched - waited, encoded - scheduled, launched - encoded + waited)
+        return outputs
+
+    def _take_tokens(self, in_flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and take them (finished sequences' dropped)."""
+        waiting = time.perf_counter()
+        tokens = in_flight.pending.wait()
+        in_flight.waited_s = time.perf_counter() - waiting
+        live = [(seq, token) for seq, token in zip(in_flight.pending.seqs, tokens) if not seq.is_finished]
+        return self._take([seq for seq, _ in live], [token for _, token in live])
+
+    def _take(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        """Append each sequence's token, retire finished ones, and build the outputs."""
         progressed = {}
         for seq, token in zip(seqs, tokens):
             self._append(seq, token)
@@ -209,7 +268,6 @@ class PagedEngine(Engine):
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]
-        self._time(batch, scheduled - started + time.perf_counter() - ran, encoded - scheduled, ran - encoded)
         return outputs
 
     def _time(self, batch: ScheduledBatch, host_s: float, vision_s: float, forward_s: float) -> None:
@@ -254,7 +312,12 @@ class PagedEngine(Engine):
                 seq.mm.embeds = embeds
 
     def _append(self, seq: Sequence, token: int) -> None:
-        seq.token_ids.append(token)
+        """The sampled token in place of the placeholder (asynchronous decoding) or after
+        the last token, then the checks that may end the sequence."""
+        if seq.token_ids[-1] == PLACEHOLDER:
+            seq.token_ids[-1] = token
+        else:
+            seq.token_ids.append(token)
         params = seq.params
         if token in self.eos_token_ids and not params.ignore_eos:
             self._finish(seq, "stop", token)

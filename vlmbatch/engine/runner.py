@@ -11,6 +11,7 @@ block manager hands out, so they never touch a sequence's cache.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.num_graph_replays = 0
         self.last_launch_s = 0.0  # host time of the last `run` until its forward and sampling were launched
+        self._token_copies = TokenCopies(max_num_seqs, device)
         if device.type == "cuda" and not enforce_eager:
             self.prepare_static_decode(max_num_seqs, capture=True)
 
@@ -191,37 +193,46 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------
     @torch.no_grad()
-    def forward_logits(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run the step; return the sequences that reach their last token and its logits."""
+    def forward_logits(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> tuple[list[Sequence], torch.Tensor]:
+        """Run the step; return the sequences that reach their last token and its logits.
+        `input_ids` (decode only): the step's input tokens already on the device, in batch
+        order (the previous step's samples), instead of each sequence's last token."""
         if not batch.is_prefill:
-            return batch.seqs, self._decode_logits(batch.seqs)
+            return batch.seqs, self._decode_logits(batch.seqs, input_ids)
         embeds, positions, meta = self._prefill_inputs(batch)
         hidden = self.decoder(embeds, positions, self.kv_caches, meta, self.backend)
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == len(s)]
         last = torch.tensor(meta.q_lens).cumsum(0)[done] - 1
         return [batch.seqs[i] for i in done], self.decoder.compute_logits(hidden[last.to(self.device)])
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """Run the step; return the sequences that got a next token and those tokens."""
+    def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> PendingTokens:
+        """Launch the step's forward and sampling without waiting for the GPU; the sampled
+        tokens arrive in pinned host memory (`PendingTokens.wait`)."""
         started = time.perf_counter()
-        seqs, logits = self.forward_logits(batch)
+        seqs, logits = self.forward_logits(batch, input_ids)
         if not seqs:
             self.last_launch_s = time.perf_counter() - started
-            return [], []
+            return PendingTokens([], None, None, None)
         sampling = SamplingBatch.build([s.params for s in seqs], [s.num_output_tokens for s in seqs], self.device)
         tokens = sample(logits, sampling)
+        pending = self._token_copies.start(seqs, tokens)
         self.last_launch_s = time.perf_counter() - started
-        return seqs, tokens.tolist()
+        return pending
 
-    def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """Run the step; return the sequences that got a next token and those tokens."""
+        pending = self.launch(batch)
+        return pending.seqs, pending.wait()
+
+    def _decode_logits(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
         ids, positions, slots, ctx = self._decode_host_inputs(seqs)
         graph_size = next((b for b in sorted(self.graphs) if b >= len(seqs)), None)
         if graph_size is None:
             meta = self._metadata(False, slots, [s.block_table for s in seqs], [1] * len(seqs), ctx)
-            embeds = self.decoder.embed_tokens(torch.tensor(ids).to(self.device, non_blocking=True))
-            hidden = self.decoder(embeds, positions.to(self.device, non_blocking=True), self.kv_caches, meta, self.backend)
+            device_ids = input_ids if input_ids is not None else torch.tensor(ids).to(self.device, non_blocking=True)
+            hidden = self.decoder(self.decoder.embed_tokens(device_ids), positions.to(self.device, non_blocking=True), self.kv_caches, meta, self.backend)
             return self.decoder.compute_logits(hidden)
-        return self._replay(graph_size, ids, positions, slots, [s.block_table for s in seqs], ctx)
+        return self._replay(graph_size, ids, positions, slots, [s.block_table for s in seqs], ctx, input_ids)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def use_backend(self, backend: AttentionBackend) -> None:
@@ -273,8 +284,11 @@ class ModelRunner:
     def _stage(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int]) -> None:
         self.static_inputs.stage(ids, positions, slots, tables, ctx, size, self.pad_slot, self.num_kv_blocks)
 
-    def _replay(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int]) -> torch.Tensor:
+    def _replay(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int],
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
         self._stage(size, ids, positions, slots, tables, ctx)
+        if input_ids is not None:  # after the staged copy on the same stream: these win
+            self.static_inputs.staging[: len(ids)].copy_(input_ids)
         graph = self.graphs[size]
         if graph is None:
             self.graph_logits[size] = self._decode_forward(size, self._static_meta_view(size))
@@ -284,17 +298,54 @@ class ModelRunner:
         return self.graph_logits[size][:len(ids)]
 
 
+@dataclass
+class PendingTokens:
+    """A launched step's sampled tokens, on their way to pinned host memory."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor | None  # [len(seqs)] on the device: the next decode step's inputs
+    host: torch.Tensor | None  # where they land on the host
+    ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+
+    def wait(self) -> list[int]:
+        """The tokens; waits for this step only, not for steps launched after it."""
+        if self.host is None:
+            return []
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+class TokenCopies:
+    """Pinned buffers the sampled tokens are copied into, two in turn: the tokens of step n
+    are read while step n + 1 runs, and step n + 2 is launched only after that."""
+
+    def __init__(self, max_num_seqs: int, device: torch.device):
+        self.on_cuda = device.type == "cuda"
+        self.buffers = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.on_cuda) for _ in range(2)]
+        self.turn = 0
+
+    def start(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingTokens:
+        if not self.on_cuda:
+            return PendingTokens(seqs, tokens, tokens, None)
+        host = self.buffers[self.turn][: len(seqs)]
+        self.turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingTokens(seqs, tokens, host, ready)
+
+
 class StaticDecodeInputs:
     """The decode graphs' input buffers, filled by one host-to-device copy per step.
 
     Token ids, positions, slots, context lengths and block tables of the `size` rows a
-    graph replays (padding rows included) are packed into one pinned host buffer and
+    graph replays (padding rows included) are packed into a pinned host buffer and
     copied in one transfer; the graph itself spreads the first four into the static
     tensors it reads (`spread`, captured with the forward: their place in the packed
     buffer depends only on `size`), and one device copy places the block tables, whose
     width varies. A dozen small host-side tensor ops per step used to cost about as much
-    host time as the whole batch-1 forward takes on the GPU. The host buffer is rewritten
-    only after the previous step's tokens were read back, so its transfer has completed.
+    host time as the whole batch-1 forward takes on the GPU.
     """
 
     def __init__(self, max_num_seqs: int, position_rows: int, max_blocks: int, device: torch.device):
@@ -308,7 +359,12 @@ class StaticDecodeInputs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
         capacity = n * (3 + position_rows + max_blocks)
-        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # Two host buffers in turn: a step is staged while the previous one may still be
+        # queued on the GPU (asynchronous decoding), so its buffer must not be rewritten
+        # before its own copy has run (`copied`).
+        self.hosts = [torch.empty(capacity, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
         self.staging = torch.empty(capacity, dtype=torch.int64, device=device)
 
     def stage(self, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int],
@@ -318,7 +374,11 @@ class StaticDecodeInputs:
         earlier step left: kernels read a table only up to the row's context length."""
         n, p = len(ids), self.position_rows
         width = max((len(t) for t in tables), default=0) or 1
-        host = self.host.numpy()
+        turn, self.turn = self.turn, self.turn ^ 1
+        if self.copied[turn] is not None:
+            self.copied[turn].synchronize()  # long done: it was queued two steps ago
+        host_tensor = self.hosts[turn]
+        host = host_tensor.numpy()
         at = 0
 
         def section(length: int):
@@ -337,7 +397,10 @@ class StaticDecodeInputs:
         for row, table in enumerate(tables):
             host_tables[row, : len(table)] = table
         host_tables[n:, 0] = pad_block
-        self.staging[:at].copy_(self.host[:at], non_blocking=True)
+        self.staging[:at].copy_(host_tensor[:at], non_blocking=True)
+        if self.staging.is_cuda:
+            self.copied[turn] = torch.cuda.Event()
+            self.copied[turn].record()
         tables_at = (3 + p) * size
         self.block_tables[:size, :width].copy_(self.staging[tables_at : tables_at + size * width].view(size, width))
 

@@ -105,6 +105,21 @@ class Scheduler:
             budget -= n
         return batch if batch.seqs else None
 
+    def decodes_next(self, seqs: list[Sequence]) -> bool:
+        """Whether `schedule()` would now give a pure decode step of exactly `seqs`, in
+        order: nobody to admit, every running sequence decoding, and blocks for each next
+        token without preempting. The engine then launches that step before it has read
+        the previous step's tokens (see `PagedEngine`)."""
+        if self.running != seqs or (self.waiting and self._admitting()):
+            return False
+        bs = self.block_manager.block_size
+        new_blocks = 0
+        for seq in seqs:
+            if not self._is_decoding(seq):
+                return False
+            new_blocks += seq.num_computed_tokens + 1 > len(seq.block_table) * bs
+        return new_blocks <= self.block_manager.num_free_blocks
+
     def _admitting(self) -> bool:
         """Whether waiting requests may join this step (see `min_admission_batch`)."""
         wanted = min(self.min_admission_batch, len(self.waiting), self.max_num_seqs)
@@ -139,7 +154,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish_step(self, batch: ScheduledBatch) -> None:
-        """Account for the KV the step wrote (before new tokens are appended)."""
+        """Account for the KV the step wrote (before new tokens are appended); sequences
+        that finished meanwhile (asynchronous decoding) are left out."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)

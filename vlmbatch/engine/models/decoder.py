@@ -70,9 +70,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, cos, sin)
         k_cache, v_cache = kv_cache
-        backend.store_kv(k, v, k_cache, v_cache, meta)
+        q, k = backend.rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, meta, self.rotary)
         if meta.is_prefill:
             out = backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale)
         else:
