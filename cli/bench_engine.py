@@ -26,6 +26,7 @@ def bench_engine(
     max_num_batched_tokens: int = typer.Option(16384, "--max-num-batched-tokens", help="Token budget of one prefill step."),
     gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for weights, activations and KV cache."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    async_decode: bool = typer.Option(True, "--async-decode/--sync-decode", help="Launch each decode step before reading the previous one's tokens (the engine's default), or await every step."),
     json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures."),
 ) -> None:
     """Requests/s, output tokens/s, decode-step time and % of roofline, ours vs generate(); logits vs transformers fp32."""
@@ -38,6 +39,7 @@ def bench_engine(
         peer_batches=tuple(int(b) for b in _split(peer_batches)), workloads=_split(workloads),
         backends=_split(backends), extra_shapes=_split(extra_shapes), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization, device=device,
+        async_decode=async_decode,
     )
     report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)))
     for workload, figures in sorted(report.get("summary", {}).items()):

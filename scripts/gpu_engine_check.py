@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--admission-batch", type=int, default=64, help="free slots before waiting requests join (1 = at once)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--sync-decode", action="store_true", help="await every decode step (no asynchronous decoding)")
     args = parser.parse_args()
     import_kernels_package()
     from vlmbatch.engine.bench import BenchOptions, run_bench
@@ -58,6 +59,7 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         min_admission_batch=args.admission_batch,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        async_decode=not args.sync_decode,
     )
     path = Path(os.environ.get("OUT", ".")) / "engine_check.json"
     report = run_bench(options, save=lambda partial: path.write_text(json.dumps(partial, indent=2)))

@@ -277,7 +277,7 @@ def check_async_decoding(engine, adapter, tokens: int = 24) -> dict[str, Any]:
     finishes and aborts)."""
     requests = min(64, engine.scheduler.max_num_seqs)
     prompts = w1_prompts(adapter, requests, seed=30_000, pixel_dtype=engine.runner.dtype)
-    tokens_by_mode = {}
+    tokens_by_mode, configured = {}, engine.async_decode
     for async_decode in (False, True):
         engine.async_decode = async_decode
         engine.block_manager.reset_prefix_cache()
@@ -287,7 +287,7 @@ def check_async_decoding(engine, adapter, tokens: int = 24) -> dict[str, Any]:
         while engine.has_unfinished_requests():
             finished.update({o.request_id.rsplit("-", 1)[1]: o.outputs[0].token_ids for o in engine.step() if o.finished})
         tokens_by_mode[async_decode] = finished
-    engine.async_decode = True
+    engine.async_decode = configured
     equal = sum(tokens_by_mode[True].get(k) == v for k, v in tokens_by_mode[False].items())
     return {"requests": requests, "tokens": tokens, "equal": equal, "ok": equal == requests == len(tokens_by_mode[True])}
 
@@ -413,6 +413,7 @@ class BenchOptions:
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.85
     min_admission_batch: int = 64
+    async_decode: bool = True  # False: every decode step awaited (PagedEngine.async_decode)
     device: str = "auto"
 
 
@@ -453,11 +454,13 @@ def _summary(results: list[RunResult]) -> dict[str, Any]:
 def _paged_engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int):
     from vlmbatch.engine.paged import PagedEngine
 
-    return PagedEngine(
+    engine = PagedEngine(
         adapter, adapter.model_path, dtype=dtype, device=str(device), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens, gpu_memory_utilization=options.gpu_memory_utilization,
         max_model_len=PROMPT_TOKENS + W2_RANGE[1], hf_model=hf_model, min_admission_batch=options.min_admission_batch,
     )
+    engine.async_decode = options.async_decode
+    return engine
 
 
 class _Phases:
