@@ -218,9 +218,8 @@ class PagedEngine(Engine):
         if batch is None:
             return []
         scheduled = time.perf_counter()
-        self._encode_media(batch)
-        if self.time_phases and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._encode_media(batch) and self.time_phases and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # only after the tower ran: a decode step in flight must not be waited for here
         encoded = time.perf_counter()
         if batch.is_prefill or not self.async_decode:
             seqs, tokens = self.runner.run(batch)
@@ -305,11 +304,12 @@ class PagedEngine(Engine):
                     self.abort_request(seq.request_id)
         return [torch.stack(rows) for _, rows in forced.values()]
 
-    def _encode_media(self, batch: ScheduledBatch) -> None:
+    def _encode_media(self, batch: ScheduledBatch) -> bool:
+        """Embed the media of sequences seen for the first time; True when the tower ran."""
         pending = [s for s in batch.seqs if s.mm is not None and s.mm.embeds is None]
-        if pending:
-            for seq, embeds in zip(pending, self.model.encode([s.mm.inputs["items"] for s in pending])):
-                seq.mm.embeds = embeds
+        for seq, embeds in zip(pending, self.model.encode([s.mm.inputs["items"] for s in pending]) if pending else ()):
+            seq.mm.embeds = embeds
+        return bool(pending)
 
     def _append(self, seq: Sequence, token: int) -> None:
         """The sampled token in place of the placeholder (asynchronous decoding) or after
