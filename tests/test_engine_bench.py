@@ -29,7 +29,8 @@ def test_bench_runs_peer_and_engine_checks_logits_and_records_failures():
     assert runs["paged"]["output_tokens"] == 4 * 128 and runs["hf-generate-b2"]["output_tokens"] == 2 * 128
     assert runs["paged"]["extra"]["num_prefill_steps"] >= 1 and runs["paged"]["decode_step_ms"] > 0
     asynchronous = report["async_decoding"]
-    assert (asynchronous["equal"], asynchronous["awaited_repeat_equal"], asynchronous["ok"]) == (4, 4, True)
+    assert asynchronous["requests"] >= 2 and asynchronous["ok"]  # as many as one prefill step holds
+    assert asynchronous["equal"] == asynchronous["awaited_repeat_equal"] == asynchronous["requests"]
     roofline = report["decode_roofline"]["tiny"][0]
     assert roofline["batch"] == 2 and 0 < roofline["pct_of_roofline"]
     assert report["summary"]["w1"]["speedup"] > 0

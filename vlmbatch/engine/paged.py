@@ -4,7 +4,8 @@
 admitted requests (vision tower, batched, cached by content) → one forward + sampling
 (runner) → append tokens, detokenise incrementally, check EOS / stop strings / length.
 
-Decode steps are asynchronous: while step n runs on the GPU the host already launches
+Decode steps are asynchronous (`async_decode`; `VLMBATCH_ASYNC_DECODE=0` turns it off):
+while step n runs on the GPU the host already launches
 step n + 1, whose input tokens are step n's samples still on the device, and only then
 reads step n's tokens and checks them. Each sequence carries a placeholder for its token
 in flight, so lengths, positions and block allocation are right for the next step; a
@@ -16,6 +17,7 @@ admission, a preemption, an abort), the step in flight is finished first.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -136,7 +138,9 @@ class PagedEngine(Engine):
         self.stats = EngineStats()
         self._arrivals = 0
         self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
-        self.async_decode = True  # launch decode step n + 1 before reading step n's tokens (module docstring)
+        # Launch decode step n + 1 before reading step n's tokens (module docstring);
+        # VLMBATCH_ASYNC_DECODE=0 awaits every step.
+        self.async_decode = os.environ.get("VLMBATCH_ASYNC_DECODE", "1").strip() != "0"
         self._in_flight: _InFlight | None = None
 
     @classmethod
