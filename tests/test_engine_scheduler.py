@@ -103,3 +103,20 @@ def test_admission_batch_holds_new_requests_until_enough_slots_are_free():
     sched.remove(running[1])
     joined = run_step(sched)
     assert joined.is_prefill and joined.seqs == [running[2], *late]
+
+
+def test_decodes_next_only_for_a_pure_decode_of_the_same_sequences():
+    """What lets the engine launch the next decode step before reading this one's tokens."""
+    sched = make_scheduler(num_blocks=3, block_size=4, budget=64)
+    a, b = Sequence("a", [1, 2, 3], SamplingParams()), Sequence("b", [4, 5, 6], SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefilled, one token each: 4 tokens in one block each
+    assert sched.decodes_next([a, b])
+    assert not sched.decodes_next([b, a]) and not sched.decodes_next([a])  # other rows than the step in flight
+    run_step(sched)  # a 5th token each: the next step needs a second block for both, one is free
+    assert not sched.decodes_next([a, b])  # the step would preempt
+    c = Sequence("c", [7], SamplingParams())
+    sched.remove(b)
+    sched.add(c)
+    assert not sched.decodes_next([a])  # c is waiting to be admitted
