@@ -5,6 +5,7 @@ import torch
 
 from vlmbatch.engine.attention import AttentionMetadata, TorchBackend, available_backends, create_backend
 from vlmbatch.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+from vlmbatch.kernels.testing import make_paged_kv
 
 BLOCK, KV_HEADS, HEADS, DIM = 4, 2, 4, 8
 
@@ -118,41 +119,34 @@ def test_flash_attn_flavour_follows_what_is_installed(tmp_path, monkeypatch, fil
     assert flash_attn_flavour() == flavour
 
 
-GPU_BACKENDS = available_backends(torch.device("cuda")) if torch.cuda.is_available() else []
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", GPU_BACKENDS or ["torch"])
-def test_every_gpu_backend_matches_the_reference_in_bf16(name):
-    """Real-model head shapes (16 query / 2 KV heads, dim 128) and the GPU block size."""
-    torch.manual_seed(1)
-    block, kv_heads, heads, dim, device = 256, 2, 16, 128, torch.device("cuda")
+@pytest.mark.parametrize("name", available_backends(DEVICE))
+def test_every_backend_matches_the_reference_in_bf16(name):
+    """Real-model head shapes (16 query / 2 KV heads, dim 128) and the GPU block size, over
+    a cache laid out as the engine leaves it (scattered blocks, garbage in unused ones);
+    every backend this device has (only torch on the CPU)."""
+    block, kv_heads, heads, dim, scale = 256, 2, 16, 128, 0.088
     context_lens, q_lens = [700, 300, 513], [200, 300, 1]
-    blocks_per_seq = [(c + block - 1) // block for c in context_lens]
-    order = torch.randperm(sum(blocks_per_seq)).tolist()
-    tables, at = [], 0
-    for n in blocks_per_seq:
-        tables.append(order[at : at + n] + [-1] * (max(blocks_per_seq) - n))
-        at += n
-    shape = (sum(blocks_per_seq), block, kv_heads, dim)
-    k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    v_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    to = dict(device=device, dtype=torch.int32)
+    kv = make_paged_kv(context_lens, kv_heads, dim, block, torch.bfloat16, DEVICE, seed=1)
+    to = dict(device=DEVICE, dtype=torch.int32)
     meta = AttentionMetadata(
-        is_prefill=True, slot_mapping=torch.zeros(1, device=device, dtype=torch.int64),
-        block_tables=torch.tensor(tables, **to), context_lens=torch.tensor(context_lens, **to),
+        is_prefill=True, slot_mapping=torch.zeros(1, device=DEVICE, dtype=torch.int64),
+        block_tables=kv.block_tables, context_lens=kv.context_lens,
         cu_seqlens_q=torch.tensor([0, *q_lens]).cumsum(0).to(**to), cu_seqlens_k=torch.tensor([0, *context_lens]).cumsum(0).to(**to),
         max_q_len=max(q_lens), max_context_len=max(context_lens), q_lens=q_lens, context_lens_host=context_lens,
     )
-    backend = create_backend(name, device)
-    q = torch.randn(sum(q_lens), heads, dim, device=device, dtype=torch.bfloat16)
-    ref_args = (k_cache.float(), v_cache.float(), meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0.088)
-    expected = paged_prefill_attention_ref(q.float(), *ref_args)
-    flat = k_cache.view(-1, kv_heads, dim)
-    slots = torch.cat([torch.tensor([tables[b][i // block] * block + i % block for i in range(c - n, c)]) for b, (c, n) in enumerate(zip(context_lens, q_lens))]).to(device)
-    out = backend.prefill(q, flat[slots], v_cache.view(-1, kv_heads, dim)[slots], k_cache, v_cache, meta, 0.088)
+    backend = create_backend(name, DEVICE)
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(q_lens), heads, dim, generator=generator).to(DEVICE, torch.bfloat16)
+    tables = kv.block_tables.tolist()
+    slots = torch.tensor([tables[b][i // block] * block + i % block for b, (c, n) in enumerate(zip(context_lens, q_lens)) for i in range(c - n, c)], device=DEVICE)
+    step_k, step_v = (cache.view(-1, kv_heads, dim)[slots] for cache in (kv.k_cache, kv.v_cache))
+    out = backend.prefill(q, step_k, step_v, kv.k_cache, kv.v_cache, meta, scale)
+    expected = paged_prefill_attention_ref(q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, meta.cu_seqlens_q, kv.context_lens, scale)
     assert (out.float() - expected).norm() / expected.norm() < 1e-2
-    q1 = torch.randn(3, heads, dim, device=device, dtype=torch.bfloat16)
-    decoded = backend.decode(q1, k_cache, v_cache, meta, 0.088)
-    expected = paged_decode_attention_ref(q1.float(), k_cache.float(), v_cache.float(), meta.block_tables, meta.context_lens, 0.088)
+    q1 = torch.randn(3, heads, dim, generator=generator).to(DEVICE, torch.bfloat16)
+    decoded = backend.decode(q1, kv.k_cache, kv.v_cache, meta, scale)
+    expected = paged_decode_attention_ref(q1.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, kv.context_lens, scale)
     assert (decoded.float() - expected).norm() / expected.norm() < 1e-2

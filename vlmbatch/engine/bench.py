@@ -278,9 +278,9 @@ def check_async_decoding(engine, adapter, tokens: int = 24) -> dict[str, Any]:
     at step n still fills its row in step n + 1, so the last steps' batches differ, and
     in bf16 a different batch can flip a near-tie. The CPU tests cover staggered finishes
     and aborts in fp32.)"""
-    prompts = w1_prompts(adapter, 1, seed=30_000, pixel_dtype=engine.runner.dtype)
+    prompts = w1_prompts(adapter, 64, seed=30_000, pixel_dtype=engine.runner.dtype)  # all of one length
     requests = min(64, engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens // prompts[0].num_tokens)
-    prompts = w1_prompts(adapter, requests, seed=30_000, pixel_dtype=engine.runner.dtype)
+    prompts = prompts[:requests]
     runs, configured = [], engine.async_decode
     for async_decode in (False, False, True):
         engine.async_decode = async_decode

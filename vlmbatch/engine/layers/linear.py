@@ -42,13 +42,14 @@ class Linear(nn.Linear):
     def use_kernel(self, kernels: Any | None) -> None:
         """Take `kernels.skinny_linear` (or plain `F.linear` with None) as `VLMBATCH_DECODE_LINEAR` says."""
         choice = decode_linear_choice()
-        rows = {"auto": self.skinny_rows, "skinny": None, "cublas": 0}[choice]
-        if kernels is None or rows == 0:
+        if kernels is None or choice == "cublas" or (choice == "auto" and not self.skinny_rows):
             self.skinny, self.max_skinny_rows = None, 0
-            return
-        self.max_skinny_rows = kernels.skinny_gemm.MAX_ROWS if rows is None else rows
-        config = kernels.SkinnyConfig(**self.skinny_launch) if choice == "auto" else None
-        self.skinny = functools.partial(kernels.skinny_linear, config=config)
+        elif choice == "auto":  # the measured rows and launch shape
+            self.max_skinny_rows = self.skinny_rows
+            self.skinny = functools.partial(kernels.skinny_linear, config=kernels.SkinnyConfig(**self.skinny_launch))
+        else:  # every layer, up to the kernel's limit, default launch shape
+            self.max_skinny_rows = kernels.skinny_gemm.MAX_ROWS
+            self.skinny = kernels.skinny_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny is not None and x.dim() == 2 and x.shape[0] <= self.max_skinny_rows:
