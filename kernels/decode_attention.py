@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .attention_tile import LOG2_E, attend_paged_tile, check_paged_inputs
+from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
 
 H200_SM_COUNT = 132
 MAX_SPLITS = 32
@@ -88,7 +89,10 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
+    let_next_start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -148,7 +152,10 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
+    let_next_start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -199,6 +206,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group_size = num_q_heads // num_kv_heads
+    pdl = pdl_enabled(q)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits == 1:
         stage1_out, lse = out.unsqueeze(2), out  # lse unused: the kernel normalises in place
@@ -217,7 +225,7 @@ def paged_decode_attention(
         GROUP_SIZE=group_size, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n, BLOCK_D=block_d,
         STORE_LSE=num_splits > 1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
@@ -227,7 +235,7 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **launch_options(pdl),
         )  # fmt: skip
     return out
 

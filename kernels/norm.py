@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -26,7 +28,10 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
+    let_next_start(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -63,7 +68,7 @@ def rms_norm(
             x2d.stride(0), residual2d.stride(0), out.stride(0), residual_out.stride(0),
             eps,
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=min(16, max(1, block // 256)), **launch_options(pdl_enabled(x2d)),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .kv_cache_write import check_cache_write
+from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
 
 
 @triton.jit
@@ -48,8 +49,10 @@ def _rotary_kernel(
     stride_cos_tok, stride_sin_tok,
     stride_v_tok, stride_v_head, stride_cache_slot, stride_cache_head,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
+    let_next_start(PDL)
     token = tl.program_id(0)
     offs_half = tl.arange(0, BLOCK_HALF)[None, :]
     half_mask = offs_half < HALF_DIM
@@ -120,6 +123,6 @@ def _launch(q, k, cos, sin, store) -> tuple[torch.Tensor, torch.Tensor]:
             v.stride(0), v.stride(1), k_cache.stride(-3), k_cache.stride(-2),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF_DIM=half,
             BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store is not None,
+            BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store is not None, **launch_options(pdl_enabled(q)),
         )  # fmt: skip
     return q_out, k_out
