@@ -15,6 +15,7 @@ from .reference import (
     store_kvcache_ref,
 )
 from .norm import rms_norm
+from .pdl import launches_with_pdl
 from .rotary import apply_rotary, apply_rotary_and_store
 from .skinny_gemm import SkinnyConfig, skinny_linear
 
@@ -24,6 +25,7 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_and_store",
     "apply_rotary_ref",
+    "launches_with_pdl",
     "choose_num_splits",
     "paged_decode_attention",
     "paged_decode_attention_ref",

@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, let_next_start, pdl_enabled, prefetch_to_l2, wait_for_previous
+from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
 
 MAX_ROWS = 64  # beyond this the product stops being weight-bound: cuBLAS serves it
-L2_PREFETCH_BYTES = 16 << 20  # a third of the H200's 50 MB L2
 
 
 @dataclass(frozen=True)
@@ -34,37 +33,13 @@ class SkinnyConfig:
 
 
 @triton.jit
-def silu_times_up(gate, up):
-    """silu(gate) * up as PyTorch rounds it in the model dtype: SiLU rounded first."""
-    gate_f = gate.to(tl.float32)
-    silu = (gate_f * tl.sigmoid(gate_f)).to(gate.dtype).to(tl.float32)
-    return (silu * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
-def _load_x_tile(x_ptrs, k_step, up_offset, mask, GATED: tl.constexpr):
-    """One [BLOCK_M, BLOCK_K] tile of the input; GATED: silu(gate) * up of a fused gate/up
-    output, rounded as `fused_silu_and_mul` rounds, so the activation needs no kernel."""
-    if GATED:
-        gate = tl.load(x_ptrs + k_step, mask=mask, other=0.0)
-        return silu_times_up(gate, tl.load(x_ptrs + up_offset + k_step, mask=mask, other=0.0))
-    else:
-        return tl.load(x_ptrs + k_step, mask=mask, other=0.0)
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_om, prefetch_elems, prefetch_bytes,
+    stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GATED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    if PREFETCH:  # this program's strip of weight rows is contiguous: its head into L2 now
-        chunks = tl.arange(0, THREADS)
-        strip = w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * stride_wn
-        prefetch_to_l2(strip + chunks * prefetch_elems, tl.full([THREADS], prefetch_bytes, tl.int32))
     wait_for_previous(PDL)
     let_next_start(PDL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -77,13 +52,14 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            x = _load_x_tile(x_ptrs, k * BLOCK_K, K, m_mask, GATED)
+            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
             w = tl.load(w_ptrs, mask=n_mask, other=0.0) if not EVEN_N else tl.load(w_ptrs)
         else:
             k_mask = offs_k[None, :] < K - k * BLOCK_K
-            x = _load_x_tile(x_ptrs, k * BLOCK_K, K, m_mask & k_mask, GATED)
+            x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
             w = tl.load(w_ptrs, mask=n_mask & k_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -91,45 +67,26 @@ def _skinny_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
 
 
-def _prefetch_per_thread(weight: torch.Tensor, config: SkinnyConfig, programs: int) -> int:
-    """Bytes of its weight strip each thread of a program prefetches into L2 before waiting
-    for the previous kernel: all of it for the small projections, an even share of
-    L2_PREFETCH_BYTES for the large ones (more would evict lines before their use)."""
-    n, k = weight.shape
-    if not weight.is_contiguous() or n % config.block_n:
-        return 0
-    threads = 32 * config.num_warps
-    per_program = min(config.block_n * k * weight.element_size(), L2_PREFETCH_BYTES // programs)
-    return per_program // (16 * threads) * 16
-
-
-def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None, gated: bool = False
-) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` [M, K] with M <= MAX_ROWS; float32 is exact
-    (no TF32), as `F.linear` is by default. `gated`: `x` is a fused gate/up output
-    [M, 2K] and the product takes silu(gate) * up (`fused_silu_and_mul`) as its input."""
+    (no TF32), as `F.linear` is by default."""
     config = config or SkinnyConfig()
-    num_rows, x_width = x.shape
-    n, k = weight.shape
-    if num_rows > MAX_ROWS or x_width != (2 * k if gated else k) or weight.stride(-1) != 1:
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    if num_rows > MAX_ROWS or weight.shape[1] != k or weight.stride(-1) != 1:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows and a row-major weight: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    programs = triton.cdiv(n, config.block_n)
-    pdl = pdl_enabled(x)
-    prefetch_bytes = _prefetch_per_thread(weight, config, programs) if pdl else 0
-    _skinny_gemm_kernel[(programs,)](
+    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, out,
         num_rows, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), prefetch_bytes // weight.element_size(), prefetch_bytes,
+        x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        GATED=gated, PREFETCH=prefetch_bytes > 0, THREADS=32 * config.num_warps,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl_enabled(x)),
     )  # fmt: skip
     return out

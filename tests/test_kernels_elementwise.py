@@ -132,25 +132,6 @@ def test_skinny_linear_matches_f_linear(dtype, rows, n, k, bias, config):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "k", "config"), [(1, 256, SkinnyConfig(block_n=32, block_k=128)), (3, 200, SkinnyConfig(block_n=16, block_k=64))])
-def test_gated_skinny_linear_takes_silu_of_gate_times_up(dtype, rows, k, config):
-    """The down projection with SiLU·mul fused into its loads: the MLP's two kernels in one."""
-    from vlmbatch.engine.models.decoder import silu_and_mul
-
-    gate_up = randn(rows, 2 * k, dtype=dtype, seed=6)
-    weight = randn(48, k, dtype=dtype, seed=7) / k**0.5
-    expected = torch.nn.functional.linear(silu_and_mul(gate_up).float(), weight.float())
-
-    out = skinny_linear(gate_up, weight, config=config, gated=True)
-
-    atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
-    with pytest.raises(ValueError, match="at most"):  # gated input must be twice as wide as the weight
-        skinny_linear(gate_up[:, :k], weight, gated=True)
-
-
-@needs_kernels
 def test_skinny_linear_refuses_what_it_does_not_serve():
     with pytest.raises(ValueError, match="at most"):
         skinny_linear(randn(65, 32, dtype=DTYPES[0], seed=0), randn(16, 32, dtype=DTYPES[0], seed=1))
@@ -175,3 +156,4 @@ def test_apply_rotary_and_store_equals_rotary_then_store(dtype):
 
     assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
     assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
+

@@ -10,6 +10,7 @@ block manager hands out, so they never touch a sequence's cache.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ from vlmbatch.engine.sequence import Sequence
 
 _ACTIVATION_RESERVE_BYTES = 4 << 30  # vision tower (a full step of images), graphs and sampling beyond the measured prefill peak
 _CPU_KV_CACHE_BYTES = 256 << 20  # default cache on the CPU, where free memory says little
+# Decode graphs up to this batch launch their Triton kernels with programmatic dependent
+# launch (`vlmbatch.kernels.pdl`): -3% step time at batch 1 on the H200, +4% at batch 64.
+PDL_MAX_BATCH = 16
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -256,14 +260,20 @@ class ModelRunner:
                 continue
             self._stage(size, [], torch.zeros((3, 0) if self.model.mrope else (0,), dtype=torch.long), [], [], [])  # all padding
             meta = self._static_meta_view(size)
-            self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.graph_logits[size] = self._decode_forward(size, meta)
+            with self._kernel_launch_scope(size):
+                self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
+                with torch.cuda.graph(graph, pool=pool):
+                    self.graph_logits[size] = self._decode_forward(size, meta)
             pool = graph.pool()
             self.graphs[size] = graph
         if capture:
             torch.cuda.synchronize()
+
+    def _kernel_launch_scope(self, size: int) -> contextlib.AbstractContextManager:
+        """Small decode batches launch the backend's Triton kernels with PDL."""
+        kernels = self.backend.elementwise_kernels
+        return kernels.launches_with_pdl(size <= PDL_MAX_BATCH) if kernels is not None else contextlib.nullcontext()
 
     def _static_meta_view(self, size: int) -> AttentionMetadata:
         inputs = self.static_inputs

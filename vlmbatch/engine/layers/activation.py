@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from vlmbatch.kernels.pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
-from vlmbatch.kernels.skinny_gemm import silu_times_up
 
 _BLOCK = 1024
 
@@ -26,9 +25,10 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out, BL
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_in + n_cols + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + offs, silu_times_up(gate, up), mask=mask)
+    gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

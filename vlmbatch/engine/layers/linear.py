@@ -51,14 +51,6 @@ class Linear(nn.Linear):
             self.max_skinny_rows = kernels.skinny_gemm.MAX_ROWS
             self.skinny = kernels.skinny_linear
 
-    def takes_gated(self, gate_up: torch.Tensor) -> bool:
-        """Whether `forward_gated` serves these rows: the kernel fuses SiLU·mul into its loads."""
-        return self.skinny is not None and gate_up.dim() == 2 and gate_up.shape[0] <= self.max_skinny_rows
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """`forward(silu(gate) * up)` of a fused gate/up output, in one kernel."""
-        return self.skinny(gate_up, self.weight, self.bias, gated=True)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny is not None and x.dim() == 2 and x.shape[0] <= self.max_skinny_rows:
             return self.skinny(x, self.weight, self.bias)

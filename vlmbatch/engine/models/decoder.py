@@ -87,10 +87,7 @@ class MLP(nn.Module):
         self.act: Callable = silu_and_mul  # or the fused kernel (`use_kernels`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.down_proj.takes_gated(gate_up):
-            return self.down_proj.forward_gated(gate_up)
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
