@@ -10,7 +10,7 @@ one the previous kernel still reads), then `let_next_start`, so at most two kern
 the chain are resident at once.
 
 Measured on the H200 (BENCHMARKS.md) it shortens a batch-1 decode step of the 3B shapes
-by ~3% and lengthens a batch-64 one by ~4% (the waiting programs hold SM slots the
+by ~3% and lengthens a batch-64 one by 3-5% (the waiting programs hold SM slots the
 larger kernels want), so kernels launch this way only inside `launches_with_pdl(True)`:
 the engine's capture of small decode batches. `VLMBATCH_PDL=0` turns it off everywhere.
 """

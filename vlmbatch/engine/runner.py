@@ -25,7 +25,7 @@ from vlmbatch.engine.sequence import Sequence
 _ACTIVATION_RESERVE_BYTES = 4 << 30  # vision tower (a full step of images), graphs and sampling beyond the measured prefill peak
 _CPU_KV_CACHE_BYTES = 256 << 20  # default cache on the CPU, where free memory says little
 # Decode graphs up to this batch launch their Triton kernels with programmatic dependent
-# launch (`vlmbatch.kernels.pdl`): -3% step time at batch 1 on the H200, +4% at batch 64.
+# launch (`vlmbatch.kernels.pdl`): -3% step time at batch 1 on the H200, +3-5% at batch 64.
 PDL_MAX_BATCH = 16
 
 
