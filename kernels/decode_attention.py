@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .attention_tile import LOG2_E, attend_paged_tile, check_paged_inputs
-from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
+from .pdl import follow_previous, launch_options, pdl_enabled
 
 H200_SM_COUNT = 132
 MAX_SPLITS = 32
@@ -91,8 +91,7 @@ def _decode_split_kernel(
     STORE_LSE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    follow_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,8 +153,7 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    follow_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
+from .pdl import follow_previous, launch_options, pdl_enabled
 
 
 @triton.jit
@@ -30,8 +30,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    follow_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN

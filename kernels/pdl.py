@@ -5,9 +5,9 @@ paying a ramp (its first loads in flight) and a tail (its last programs finishin
 memory flush). On Hopper and newer GPUs a kernel launched with `launch_pdl=True` may
 start once every program of the kernel before it has called `gdc_launch_dependents`, and
 `gdc_wait`s for that kernel's results; CUDA graphs keep these edges. Each kernel here
-calls `wait_for_previous` before its first load and store (the buffer it writes may be
-one the previous kernel still reads), then `let_next_start`, so at most two kernels of
-the chain are resident at once.
+calls `follow_previous` before its first load and store (the buffer it writes may be
+one the previous kernel still reads): it waits, then lets the next kernel launch, so at
+most two kernels of the chain are resident at once.
 
 Measured on the H200 (BENCHMARKS.md) it shortens a batch-1 decode step of the 3B shapes
 by ~3% and lengthens a batch-64 one by 3-5% (the waiting programs hold SM slots the
@@ -75,14 +75,10 @@ def launch_options(enabled: bool) -> dict[str, bool]:
 
 
 @triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """Block until the kernel before this one has finished and its writes are visible."""
+def follow_previous(PDL: tl.constexpr):
+    """Wait until the kernel before this one has finished and its writes are visible, then
+    let the next kernel of the stream launch (it waits in turn for this one's results).
+    Call first, before any load or store."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def let_next_start(PDL: tl.constexpr):
-    """Allow the next kernel of the stream to launch (it waits for this one's results)."""
-    if PDL:
         gdc_launch_dependents()

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .kv_cache_write import check_cache_write
-from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
+from .pdl import follow_previous, launch_options, pdl_enabled
 
 
 @triton.jit
@@ -51,8 +51,7 @@ def _rotary_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    follow_previous(PDL)
     token = tl.program_id(0)
     offs_half = tl.arange(0, BLOCK_HALF)[None, :]
     half_mask = offs_half < HALF_DIM

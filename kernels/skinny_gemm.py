@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
+from .pdl import follow_previous, launch_options, pdl_enabled
 
 MAX_ROWS = 64  # beyond this the product stops being weight-bound: cuBLAS serves it
 
@@ -40,8 +40,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    follow_previous(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

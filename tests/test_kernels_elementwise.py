@@ -156,4 +156,3 @@ def test_apply_rotary_and_store_equals_rotary_then_store(dtype):
 
     assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
     assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
-

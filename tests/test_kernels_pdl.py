@@ -31,7 +31,7 @@ def test_pdl_chain_in_a_cuda_graph_computes_what_plain_launches_compute():
     """A decode-like chain (norm, linear, rotary + KV write, attention, linear) captured with
     and without PDL: PDL only changes when kernels start, so the results are bit-identical."""
     from vlmbatch.kernels import launches_with_pdl, paged_decode_attention
-    from vlmbatch.kernels.pdl import device_supports_pdl
+    from vlmbatch.kernels.pdl import device_supports_pdl, pdl_enabled
     from vlmbatch.kernels.testing import make_paged_kv
 
     assert device_supports_pdl(torch.cuda.current_device())
@@ -56,6 +56,7 @@ def test_pdl_chain_in_a_cuda_graph_computes_what_plain_launches_compute():
     for with_pdl in (False, True):
         k_cache, v_cache = kv.k_cache.clone(), kv.v_cache.clone()
         with launches_with_pdl(with_pdl):
+            assert pdl_enabled(x) == with_pdl  # the second chain really launches with PDL
             chain(k_cache, v_cache)  # compile outside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -13,15 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from vlmbatch.kernels.pdl import launch_options, let_next_start, pdl_enabled, wait_for_previous
+from vlmbatch.kernels.pdl import follow_previous, launch_options, pdl_enabled
 
 _BLOCK = 1024
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
