@@ -31,7 +31,7 @@ def dryrun(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """Rows/s and peak RSS of the dry-run on generated Parquet files of small images."""
-    from vlmbatch.models.registry import load_config
+    from vlmbatch.families.registry import load_config
     from vlmbatch.testing.data import write_large_parquet
 
     family = load_config(model).model_type

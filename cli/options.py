@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from vlmbatch.config import ConfigError, EngineConfig
 
 ModelOption = typer.Option(..., "--model", "-m", envvar="VLMBATCH_MODEL", help="Hugging Face model id or local checkpoint folder.")
 EngineOption = typer.Option(
@@ -25,6 +28,11 @@ GpuImageDecodeOption = typer.Option(
     "--gpu-image-decode",
     help="JPEG decoding on the engine's GPU (nvJPEG), in batches: auto (on for the paged engine on CUDA), on, off. "
     "Unset: the worker's VLMBATCH_GPU_IMAGE_DECODE, else auto. See docs/preprocessing.md.",
+)
+AttentionBackendOption = typer.Option(
+    None, "--attention-backend",
+    help="Paged attention kernels: auto (triton on CUDA, torch on the CPU), triton, torch or flash-attn. "
+    "Unset: VLMBATCH_ATTENTION_BACKEND, else auto.",
 )
 MediaIoKwargsOption = typer.Option(
     None,
@@ -55,3 +63,12 @@ def resolve_job_dir(job: str, output: Path) -> Path:
     if (output / job / "manifest.json").exists():
         return output / job
     raise typer.BadParameter(f"no job {job!r} (looked for {candidate}/manifest.json and {output / job}/manifest.json)", param_hint="JOB")
+
+
+def engine_config(**flags: Any) -> EngineConfig:
+    """The engine configuration of this command: its flags (None = not given) over
+    `VLMBATCH_*` variables over defaults; a bad value exits with a message naming it."""
+    try:
+        return EngineConfig.from_env(os.environ, **flags)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc

@@ -53,8 +53,7 @@ def worker(
     import json
     import os
 
-    from vlmbatch.errors import JobError
-    from vlmbatch.media.gpu_batch import gpu_image_decode_mode
+    from vlmbatch.config import GPU_IMAGE_DECODE
 
     from vlmbatch.media.video import ensure_backend_available, parse_video_options
     from vlmbatch.workers.supervisor import Supervisor, gpu_slots
@@ -63,10 +62,9 @@ def worker(
         raise typer.BadParameter("a worker needs a broker", param_hint="--broker")
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
     if gpu_image_decode is not None:  # the engine processes read it where they run shards
-        try:
-            os.environ["VLMBATCH_GPU_IMAGE_DECODE"] = gpu_image_decode_mode(gpu_image_decode)
-        except JobError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--gpu-image-decode")
+        if gpu_image_decode not in GPU_IMAGE_DECODE:
+            raise typer.BadParameter(f"choose one of {', '.join(GPU_IMAGE_DECODE)}", param_hint="--gpu-image-decode")
+        os.environ["VLMBATCH_GPU_IMAGE_DECODE"] = gpu_image_decode
     try:
         ensure_backend_available(parse_video_options(media.get("video")).backend)
     except ValueError as exc:

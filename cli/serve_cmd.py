@@ -9,7 +9,16 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from vlmbatch.cli.options import DeviceOption, DtypeOption, EngineOption, MediaIoKwargsOption, ModelOption, parse_json_option
+from vlmbatch.cli.options import (
+    AttentionBackendOption,
+    DeviceOption,
+    DtypeOption,
+    EngineOption,
+    MediaIoKwargsOption,
+    ModelOption,
+    engine_config,
+    parse_json_option,
+)
 from vlmbatch.server.settings import DEFAULT_LIMIT_MM_PER_PROMPT, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_MEDIA_BYTES
 
 
@@ -77,19 +86,21 @@ def serve(
     engine: str = EngineOption,
     dtype: str = DtypeOption,
     device: str = DeviceOption,
+    attention_backend: Optional[str] = AttentionBackendOption,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve MODEL behind an OpenAI-compatible /v1/chat/completions (images and videos)."""
     import uvicorn
 
-    from vlmbatch.engine import create_engine
+    from vlmbatch.engine.factory import create_engine
     from vlmbatch.errors import JobError
+    from vlmbatch.families.registry import load_adapter
     from vlmbatch.media.video import parse_video_options, prepare_video_backend
-    from vlmbatch.models.registry import load_adapter
     from vlmbatch.server.app import create_app, require_chat_template
     from vlmbatch.server.settings import ServerSettings
 
     console = Console(stderr=True)
+    config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend)
     settings = ServerSettings(
         model=model,
         served_model_name=served_model_name,
@@ -106,9 +117,9 @@ def serve(
     )
     try:
         prepare_video_backend(parse_video_options(settings.media_io_kwargs.get("video")))
-        adapter = load_adapter(model, chat_template=settings.chat_template)
+        adapter = load_adapter(model, chat_template=settings.chat_template, trust_remote_code=config.trust_remote_code)
         require_chat_template(adapter)  # before the weights load: a refusal should be quick
-        app = create_app(adapter, create_engine(engine, adapter, dtype=dtype, device=device), settings)
+        app = create_app(adapter, create_engine(adapter, config), settings)
     except (JobError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)

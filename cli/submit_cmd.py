@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from vlmbatch.cli.options import (
+    AttentionBackendOption,
     BrokerOption,
     DeviceOption,
     DtypeOption,
@@ -17,6 +18,7 @@ from vlmbatch.cli.options import (
     MediaIoKwargsOption,
     ModelOption,
     OutputOption,
+    engine_config,
     parse_json_option,
 )
 
@@ -47,6 +49,7 @@ def submit(
     wait: bool = typer.Option(False, "--wait", help="With --broker: follow the job with a progress bar until it ends."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
+    attention_backend: Optional[str] = AttentionBackendOption,
 ) -> None:
     """Run DATASET through MODEL; results land in OUTPUT/JOB/results/*.parquet.
 
@@ -56,7 +59,7 @@ def submit(
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.errors import JobError
     from vlmbatch.io.readers import ColumnMap
-    from vlmbatch.media.gpu_batch import defer_jpegs_for, gpu_image_decode_mode
+    from vlmbatch.engine.gpu_images import defers_image_decoding
     from vlmbatch import job as jobs
 
     console = Console(stderr=True)
@@ -69,9 +72,10 @@ def submit(
         raise typer.BadParameter(str(exc))
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
     template = chat_template.read_text() if chat_template else None
+    # Checked before anything is written (a typo in --gpu-image-decode fails here).
+    config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
+                           gpu_image_decode=gpu_image_decode)
     try:
-        if gpu_image_decode is not None:  # a typo fails before anything is written
-            gpu_image_decode = gpu_image_decode_mode(gpu_image_decode)
         if dry_run:
             report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media, chat_template=template)
             jobs.print_dry_run(report, console)
@@ -97,9 +101,9 @@ def submit(
         if wait:
             raise typer.Exit(follow_job(job_dir, broker, console=console))
         return
-    llm = jobs.load_llm(model, engine=engine, dtype=dtype, device=device, chat_template=template)
+    llm = jobs.load_llm(model, config, chat_template=template)
     try:
-        defer_jpegs_for(llm.engine, manifest.extra.get("gpu_image_decode"))
+        defers_image_decoding(llm.engine, config.gpu_image_decode)
     except JobError as exc:  # e.g. forced on without CUDA: refused before any row runs
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)

@@ -1,7 +1,7 @@
 """Triton kernels for the paged fast engine, each with a pure-torch reference (`*_ref`).
 
 The references in `reference.py` define the semantics; the kernels are tested against them
-on the CPU under `TRITON_INTERPRET=1` and on the GPU (`scripts/gpu_kernels_bench.py`).
+on the CPU under `TRITON_INTERPRET=1` and on the GPU (`vlmbatch bench kernels`).
 """
 
 from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
@@ -15,7 +15,7 @@ from .reference import (
     store_kvcache_ref,
 )
 from .norm import rms_norm
-from .pdl import launches_with_pdl
+from .activation import fused_silu_and_mul
 from .rotary import apply_rotary, apply_rotary_and_store
 from .skinny_gemm import SkinnyConfig, skinny_linear
 
@@ -25,7 +25,7 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_and_store",
     "apply_rotary_ref",
-    "launches_with_pdl",
+    "fused_silu_and_mul",
     "choose_num_splits",
     "paged_decode_attention",
     "paged_decode_attention_ref",

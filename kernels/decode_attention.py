@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .attention_tile import LOG2_E, attend_paged_tile, check_paged_inputs
-from .pdl import follow_previous, launch_options, pdl_enabled
+from .pdl import follow_previous, launch_options, pdl_launch
 
 H200_SM_COUNT = 132
 MAX_SPLITS = 32
@@ -183,6 +183,7 @@ def paged_decode_attention(
     softmax_scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    pdl_max_rows: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -204,7 +205,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group_size = num_q_heads // num_kv_heads
-    pdl = pdl_enabled(q)
+    pdl = pdl_launch(q, pdl_max_rows)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits == 1:
         stage1_out, lse = out.unsqueeze(2), out  # lse unused: the kernel normalises in place

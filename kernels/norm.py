@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import follow_previous, launch_options, pdl_enabled
+from .pdl import follow_previous, launch_options, pdl_launch
 
 
 @triton.jit
@@ -47,9 +47,10 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl_max_rows: int = 0
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Normalise each row of `x[..., hidden]`; with `residual`, return `(norm(x + residual), x + residual)`."""
+    """Normalise each row of `x[..., hidden]`; with `residual`, return `(norm(x + residual), x + residual)`.
+    `pdl_max_rows`: see `pdl.pdl_launch`."""
     hidden = x.shape[-1]
     x2d = x.reshape(-1, hidden)
     if x2d.stride(-1) != 1:
@@ -67,7 +68,7 @@ def rms_norm(
             x2d.stride(0), residual2d.stride(0), out.stride(0), residual_out.stride(0),
             eps,
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block // 256)), **launch_options(pdl_enabled(x2d)),
+            num_warps=min(16, max(1, block // 256)), **launch_options(pdl_launch(x2d, pdl_max_rows)),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)

@@ -11,16 +11,15 @@ most two kernels of the chain are resident at once.
 
 Measured on the H200 (BENCHMARKS.md) it shortens a batch-1 decode step of the 3B shapes
 by ~3% and lengthens a batch-64 one by 3-5% (the waiting programs hold SM slots the
-larger kernels want), so kernels launch this way only inside `launches_with_pdl(True)`:
-the engine's capture of small decode batches. `VLMBATCH_PDL=0` turns it off everywhere.
+larger kernels want), so a launch uses it only when the engine asked for it up to a row
+count (`pdl_max_rows`, bound into the kernels once when the model is built: 16 by
+default, 0 with `VLMBATCH_PDL=0`) and the launch is being captured into a CUDA graph:
+eager launches never use PDL.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from typing import Iterator
 
 import torch
 import triton
@@ -30,8 +29,6 @@ try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton
     gdc_launch_dependents = gdc_wait = None
-
-_in_scope = False
 
 
 def _triton_launches_pdl() -> bool:
@@ -46,27 +43,22 @@ def _triton_launches_pdl() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def device_supports_pdl(device_index: int) -> bool:
-    """A Hopper-or-newer GPU, a Triton that launches with PDL, and `VLMBATCH_PDL` not 0
-    (read once per device)."""
-    if os.environ.get("VLMBATCH_PDL", "1").strip().lower() in ("0", "false", "off", "no"):
-        return False
+    """A Hopper-or-newer GPU and a Triton that launches with PDL (read once per device)."""
     return torch.cuda.get_device_capability(device_index) >= (9, 0) and _triton_launches_pdl()
 
 
-@contextlib.contextmanager
-def launches_with_pdl(enabled: bool = True) -> Iterator[None]:
-    """Within this block (on a device that supports it) the kernels launch with PDL."""
-    global _in_scope
-    previous, _in_scope = _in_scope, enabled
-    try:
-        yield
-    finally:
-        _in_scope = previous
+def pdl_applies(rows: int, max_rows: int, capturing: bool, device_supported: bool) -> bool:
+    """The rule: a launch of `rows` rows uses PDL when the engine enabled it up to `max_rows`
+    rows, the launch is being captured into a CUDA graph, and the device supports it."""
+    return 0 < rows <= max_rows and capturing and device_supported
 
 
-def pdl_enabled(tensor: torch.Tensor) -> bool:
-    """Whether a kernel working on `tensor` launches with PDL now."""
-    return _in_scope and tensor.is_cuda and device_supports_pdl(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+def pdl_launch(tensor: torch.Tensor, max_rows: int) -> bool:
+    """Whether a kernel over `tensor` (rows on dim 0) launches with PDL now (`pdl_applies`)."""
+    if max_rows <= 0 or not tensor.is_cuda:
+        return False
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    return pdl_applies(tensor.shape[0], max_rows, torch.cuda.is_current_stream_capturing(), device_supports_pdl(index))
 
 
 def launch_options(enabled: bool) -> dict[str, bool]:

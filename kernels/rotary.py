@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .kv_cache_write import check_cache_write
-from .pdl import follow_previous, launch_options, pdl_enabled
+from .pdl import follow_previous, launch_options, pdl_launch
 
 
 @triton.jit
@@ -82,24 +82,24 @@ def _rotary_kernel(
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl_max_rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[tokens, q_heads, D]` and k `[tokens, kv_heads, D]` by per-token cos/sin `[tokens, D]`."""
-    return _launch(q, k, cos, sin, None)
+    return _launch(q, k, cos, sin, None, pdl_max_rows)
 
 
 def apply_rotary_and_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl_max_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rotary`, and the rotated keys with `v` written into the paged cache at
     `slot_mapping` (int64, -1 = skip), as `store_kvcache` would."""
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)
     v = v if v.stride(-1) == 1 else v.contiguous()
-    return _launch(q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
+    return _launch(q, k, cos, sin, (v, k_cache, v_cache, slot_mapping), pdl_max_rows)
 
 
-def _launch(q, k, cos, sin, store) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(q, k, cos, sin, store, pdl_max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if head_dim % 2 or k.shape[::2] != q.shape[::2] or cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
@@ -122,6 +122,6 @@ def _launch(q, k, cos, sin, store) -> tuple[torch.Tensor, torch.Tensor]:
             v.stride(0), v.stride(1), k_cache.stride(-3), k_cache.stride(-2),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF_DIM=half,
             BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store is not None, **launch_options(pdl_enabled(q)),
+            BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store is not None, **launch_options(pdl_launch(q, pdl_max_rows)),
         )  # fmt: skip
     return q_out, k_out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import follow_previous, launch_options, pdl_enabled
+from .pdl import follow_previous, launch_options, pdl_launch
 
 MAX_ROWS = 64  # beyond this the product stops being weight-bound: cuBLAS serves it
 
@@ -66,7 +66,8 @@ def _skinny_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None,
+                  pdl_max_rows: int = 0) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` [M, K] with M <= MAX_ROWS; float32 is exact
     (no TF32), as `F.linear` is by default."""
     config = config or SkinnyConfig()
@@ -86,6 +87,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl_enabled(x)),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl_launch(x, pdl_max_rows)),
     )  # fmt: skip
     return out

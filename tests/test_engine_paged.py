@@ -14,11 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmbatch.engine.bench import hf_inputs
+from vlmbatch.config import EngineConfig
+from vlmbatch.engine.hf import generate_inputs
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.media.types import VideoFrames
-from vlmbatch.models.registry import load_adapter, load_hf_model
+from vlmbatch.engine.loading import load_hf_model
+from vlmbatch.families.registry import load_adapter
 
 WORDS = "the cat sits on the mat and the dog runs in the park while a person is riding a bicycle".split()
 SYSTEM = "You are a helpful assistant. The user asks a question and the assistant answers it."
@@ -76,7 +78,8 @@ def build_requests(adapter, family: str, count: int, seed: int):
 
 def hf_greedy(hf_model, adapter, prompt, max_tokens) -> list[int]:
     """HF `generate()` on exactly the tensors the adapter prepared (one request, no padding)."""
-    out = hf_model.generate(**hf_inputs(adapter, [prompt], torch.device("cpu"), hf_model), max_new_tokens=max_tokens, do_sample=False)
+    out = hf_model.generate(**generate_inputs(hf_model, adapter, [prompt], adapter.tokenizer.pad_token_id or 0),
+                           max_new_tokens=max_tokens, do_sample=False)
     return out[0, prompt.num_tokens :].tolist()
 
 
@@ -93,11 +96,10 @@ def run_to_completion(engine) -> dict:
 def test_greedy_tokens_match_transformers(arch, count, tiny_model_dir):
     path = str(tiny_model_dir(arch))
     adapter = load_adapter(path)
-    hf_model = load_hf_model(path, "float32", "cpu")
-    engine = PagedEngine(
-        adapter, path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4,
+    hf_model = load_hf_model(path, torch.float32, torch.device("cpu"))
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=48, block_size=4,
         max_num_seqs=6, max_num_batched_tokens=40, min_admission_batch=1,  # admit eagerly: forces preemption
-    )
+    ))
     requests = build_requests(adapter, arch, count, seed=1)
     prepared = {}
     for request_id, text, images, videos, max_tokens in requests:
@@ -122,11 +124,11 @@ def test_static_decode_buffers_with_padding_match_transformers(tiny_qwen):
     rows writing into the spare block) run eagerly on the CPU."""
     path = str(tiny_qwen)
     adapter = load_adapter(path)
-    engine = PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=7)
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=7))
     engine.async_decode = True  # graph inputs fed from the previous step's tokens on the device
     engine.runner.prepare_static_decode(7, capture=False)
     assert sorted(engine.runner.graphs) == [1, 2, 4, 7]
-    hf_model = load_hf_model(path, "float32", "cpu")
+    hf_model = load_hf_model(path, torch.float32, torch.device("cpu"))
     prepared = {}
     for request_id, text, images, videos, max_tokens in build_requests(adapter, "qwen2_5_vl", 10, seed=5):
         prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
@@ -141,7 +143,7 @@ def test_static_decode_buffers_with_padding_match_transformers(tiny_qwen):
 def qwen_engine(tiny_model_dir):
     path = str(tiny_model_dir("qwen2_5_vl"))
     adapter = load_adapter(path)
-    return adapter, PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    return adapter, PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4))
 
 
 def generate(engine, adapter, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
@@ -198,7 +200,7 @@ def test_request_longer_than_the_cache_is_a_row_error(tiny_qwen):
 
     path = str(tiny_qwen)
     adapter = load_adapter(path)
-    engine = PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=4, block_size=4)
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=4, block_size=4))
     prompt = adapter.prepare(qwen_prompt("the cat", 0, False))
     assert prompt.num_tokens + 1 > 4 * 4  # more than the 4 blocks of 4 slots hold
     with pytest.raises(RowError) as raised:
@@ -238,7 +240,7 @@ def test_asynchronous_decoding_gives_the_synchronous_tokens(tiny_qwen):
     params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0, ignore_eos=i % 2 == 0) for i in range(6)]
     results = {}
     for async_decode in (False, True):
-        engine = PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+        engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4))
         engine.async_decode = async_decode
         for i, (text, p) in enumerate(zip(texts, params)):
             engine.add_request(str(i), adapter.prepare(text, max_tokens=p.max_tokens), p)

@@ -20,16 +20,17 @@ SCRIPT = textwrap.dedent(
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     torch.set_num_threads(1)
-    from vlmbatch.engine.bench import hf_inputs
+    from vlmbatch.config import EngineConfig
+    from vlmbatch.engine.hf import generate_inputs
+    from vlmbatch.engine.loading import load_hf_model
     from vlmbatch.engine.paged import PagedEngine
     from vlmbatch.engine.sampling_params import SamplingParams
-    from vlmbatch.models.registry import load_adapter, load_hf_model
+    from vlmbatch.families.registry import load_adapter
 
     path, decode_linear = sys.argv[1], sys.argv[2]
-    os.environ["VLMBATCH_DECODE_LINEAR"] = decode_linear
     adapter = load_adapter(path)
-    engine = PagedEngine(adapter, path, dtype="float32", device="cpu", attention_backend="triton",
-                         num_kv_blocks=16, block_size=16, max_num_batched_tokens=24)
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", attention_backend="triton",
+                         num_kv_blocks=16, block_size=16, max_num_batched_tokens=24, decode_linear=decode_linear))
     text = "<|im_start|>user\nThe quick brown fox jumps over the lazy dog. What color is the car?<|im_end|>\n"
     prompts = [adapter.prepare(text + "<|im_start|>assistant\n")] * 2  # the repeat hits the prefix cache
     for i, prompt in enumerate(prompts):
@@ -41,13 +42,13 @@ SCRIPT = textwrap.dedent(
     skinny_layers = [m for m in engine.model.decoder.modules() if getattr(m, "skinny", None) is not None]
     layers = len(engine.model.decoder.layers)
     assert len(skinny_layers) == {"auto": layers + 1, "skinny": 4 * layers + 1}[decode_linear]  # gate/up + LM head, or all
-    hf = load_hf_model(path, "float32", "cpu")
-    expected = hf.generate(**hf_inputs(adapter, prompts[:1], torch.device("cpu"), hf), max_new_tokens=4,
+    hf = load_hf_model(path, torch.float32, torch.device("cpu"))
+    expected = hf.generate(**generate_inputs(hf, adapter, prompts[:1], 0), max_new_tokens=4,
                            min_new_tokens=4, do_sample=False)[0, prompts[0].num_tokens:].tolist()
     assert outputs == {"0": expected, "1": expected}, (outputs, expected)
 
-    from vlmbatch.engine.layers.activation import fused_silu_and_mul
-    from vlmbatch.engine.models.decoder import silu_and_mul
+    from vlmbatch.engine.layers.activation import silu_and_mul
+    from vlmbatch.kernels import fused_silu_and_mul
     gate_up = torch.randn(3, 2 * 1500)  # two column blocks, a ragged tail
     torch.testing.assert_close(fused_silu_and_mul(gate_up), silu_and_mul(gate_up), rtol=1e-5, atol=1e-6)
     bf16 = gate_up.to(torch.bfloat16)  # the interpreter rounds casts toward zero: allow 2 bf16 ulps

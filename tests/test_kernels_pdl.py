@@ -14,24 +14,51 @@ def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to("cuda")
 
 
-def test_pdl_applies_only_inside_its_scope_and_only_on_a_gpu():
-    from vlmbatch.kernels.pdl import launch_options, launches_with_pdl, pdl_enabled
+@pytest.mark.parametrize(("rows", "max_rows", "capturing", "supported", "expected"), [
+    (1, 16, True, True, True),
+    (16, 16, True, True, True),
+    (17, 16, True, True, False),  # a batch past the limit: plain launches
+    (1, 0, True, True, False),  # VLMBATCH_PDL=0 or a device without PDL: the limit is 0
+    (1, 16, False, True, False),  # eager launches never use PDL
+    (1, 16, True, False, False),  # a pre-Hopper device
+    (0, 16, True, True, False),  # an empty launch
+])
+def test_pdl_applies_to_captured_launches_up_to_the_row_limit(rows, max_rows, capturing, supported, expected):
+    from vlmbatch.kernels.pdl import pdl_applies
 
-    cpu = torch.zeros(1)
-    with launches_with_pdl(True):
-        assert not pdl_enabled(cpu)  # never off a GPU (nor under the interpreter)
-        with launches_with_pdl(False):
-            assert not pdl_enabled(cpu)
+    assert pdl_applies(rows, max_rows, capturing, supported) is expected
+
+
+def test_pdl_never_applies_off_a_gpu_and_launch_options_name_the_switch():
+    from vlmbatch.kernels.pdl import launch_options, pdl_launch
+
+    assert not pdl_launch(torch.zeros(1, 4), max_rows=16)
     assert launch_options(False) == {"PDL": False}
     assert launch_options(True) == {"PDL": True, "launch_pdl": True}
+
+
+def test_engine_config_sets_the_kernels_pdl_limit():
+    """The kernels a model is built with carry the PDL limit chosen from the configuration:
+    none with the torch kernels, none off a GPU, none with VLMBATCH_PDL=0."""
+    from vlmbatch.config import EngineConfig
+    from vlmbatch.engine.kernel_choice import PDL_MAX_BATCH, choose_kernels
+
+    cpu = torch.device("cpu")
+    assert choose_kernels(EngineConfig(), cpu, "torch").pdl_max_rows == 0
+    assert choose_kernels(EngineConfig(), cpu, "triton").pdl_max_rows == 0
+    assert choose_kernels(EngineConfig(), cpu, "triton").rms_norm.keywords == {"pdl_max_rows": 0}
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        cuda = torch.device("cuda", 0)
+        assert choose_kernels(EngineConfig(), cuda, "triton").pdl_max_rows == PDL_MAX_BATCH
+        assert choose_kernels(EngineConfig.from_env({"VLMBATCH_PDL": "0"}), cuda, "triton").pdl_max_rows == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="PDL needs a Hopper-or-newer GPU")
 def test_pdl_chain_in_a_cuda_graph_computes_what_plain_launches_compute():
     """A decode-like chain (norm, linear, rotary + KV write, attention, linear) captured with
     and without PDL: PDL only changes when kernels start, so the results are bit-identical."""
-    from vlmbatch.kernels import launches_with_pdl, paged_decode_attention
-    from vlmbatch.kernels.pdl import device_supports_pdl, pdl_enabled
+    from vlmbatch.kernels import paged_decode_attention
+    from vlmbatch.kernels.pdl import device_supports_pdl, pdl_launch
     from vlmbatch.kernels.testing import make_paged_kv
 
     assert device_supports_pdl(torch.cuda.current_device())
@@ -44,23 +71,23 @@ def test_pdl_chain_in_a_cuda_graph_computes_what_plain_launches_compute():
     kv = make_paged_kv([37], kv_heads, head_dim, block_size=16, dtype=dtype, device="cuda", seed=17)
     slot = (kv.block_tables[:, 36 // 16].long() * 16 + 36 % 16).cuda()  # the new token's slot
 
-    def chain(k_cache, v_cache):
-        h, _ = rms_norm(x, norm_weight, 1e-6, residual)
-        q, k, v = skinny_linear(h, qkv_weight).split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    def chain(k_cache, v_cache, pdl_max_rows):
+        h, _ = rms_norm(x, norm_weight, 1e-6, residual, pdl_max_rows=pdl_max_rows)
+        q, k, v = skinny_linear(h, qkv_weight, pdl_max_rows=pdl_max_rows).split(
+            [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q, _ = apply_rotary_and_store(q.view(1, q_heads, head_dim), k.view(1, kv_heads, head_dim), v.reshape(1, kv_heads, head_dim),
-                                      cos, sin, k_cache, v_cache, slot)
-        out = paged_decode_attention(q, k_cache, v_cache, kv.block_tables, kv.context_lens, head_dim**-0.5)
-        return skinny_linear(out.reshape(1, -1), o_weight)
+                                      cos, sin, k_cache, v_cache, slot, pdl_max_rows=pdl_max_rows)
+        out = paged_decode_attention(q, k_cache, v_cache, kv.block_tables, kv.context_lens, head_dim**-0.5, pdl_max_rows=pdl_max_rows)
+        return skinny_linear(out.reshape(1, -1), o_weight, pdl_max_rows=pdl_max_rows)
 
     results = []
-    for with_pdl in (False, True):
+    for pdl_max_rows in (0, 16):
         k_cache, v_cache = kv.k_cache.clone(), kv.v_cache.clone()
-        with launches_with_pdl(with_pdl):
-            assert pdl_enabled(x) == with_pdl  # the second chain really launches with PDL
-            chain(k_cache, v_cache)  # compile outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain(k_cache, v_cache)
+        chain(k_cache, v_cache, pdl_max_rows)  # compile outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            assert pdl_launch(x, pdl_max_rows) == (pdl_max_rows > 0)  # the second chain really launches with PDL
+            out = chain(k_cache, v_cache, pdl_max_rows)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()

@@ -67,8 +67,10 @@ def test_bad_prompts_raise_their_row_error(llm):
     assert info.value.error_type == ErrorType.PLACEHOLDER_MISMATCH
     with pytest.raises(ValueError, match="multi_modal_data.audio"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"audio": b""}})
-    with pytest.raises(JobError, match="unknown engine"):
+    with pytest.raises(JobError, match="engine='fastest'.*choose one of auto, paged, hf"):
         LLM(llm.model_name, engine="fastest")
+    with pytest.raises(JobError, match=r"unknown engine option\(s\) \['max_batch_size'\]"):
+        LLM(llm.model_name, max_batch_size=8)  # an option the engine does not know is named, never dropped
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
@@ -169,7 +171,7 @@ def test_run_reports_each_request_as_it_finishes(llm):
 def test_auto_engine_is_the_paged_engine_where_it_supports_the_family(tiny_qwen):
     from vlmbatch.engine.paged import PagedEngine
 
-    llm = LLM(str(tiny_qwen), max_batch_size=8)
-    assert PagedEngine.is_supported(llm.adapter) and llm.engine.name == "paged"
+    llm = LLM(str(tiny_qwen), max_num_seqs=8)
+    assert isinstance(llm.engine, PagedEngine) and llm.engine.scheduler.max_num_seqs == 8
     [out] = llm.generate(_turn("Hello world"), GREEDY)
     assert len(out.outputs[0].token_ids) == 8

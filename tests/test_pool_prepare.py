@@ -18,7 +18,7 @@ from vlmbatch.io.manifest import Manifest
 from vlmbatch.io.readers import open_dataset
 from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
 from vlmbatch.job.prepare import PreparedRow, prepare_rows
-from vlmbatch.models.base import ModelAdapter
+from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.testing.data import write_image_dataset
 
 CRASH_WORD = "CRASH-THE-WORKER"
@@ -74,9 +74,10 @@ def test_parallel_rows_equal_the_sequential_ones(tmp_path: Path, tiny_qwen: Path
             continue
         assert item.prepared is not None and got[row_id].prepared is not None
         assert got[row_id].prepared.prompt_token_ids == item.prepared.prompt_token_ids
-        assert got[row_id].prepared.mm_hashes == item.prepared.mm_hashes
-        for key, tensor in item.prepared.mm_inputs.items():
-            assert torch.equal(got[row_id].prepared.mm_inputs[key], tensor)
+        for theirs, ours in zip(item.prepared.media, got[row_id].prepared.media, strict=True):
+            assert (ours.kind, ours.num_tokens, ours.content_hash) == (theirs.kind, theirs.num_tokens, theirs.content_hash)
+            assert ours.tensors.keys() == theirs.tensors.keys()
+            assert all(torch.equal(ours.tensors[key], tensor) for key, tensor in theirs.tensors.items())
 
 
 def test_a_row_that_kills_its_worker_becomes_a_worker_crash_row(tmp_path: Path, tiny_qwen: Path) -> None:

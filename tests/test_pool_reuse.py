@@ -116,11 +116,11 @@ def test_pixels_come_back_in_the_requested_dtype(tmp_path: Path, tiny_qwen: Path
         preparer.close()
     assert preparer.starts == 1  # the job's settings travel with the rows: one pool serves both
     for row_id, item in full.items():
-        pixels = item.prepared.mm_inputs["pixel_values"]
-        assert pixels.dtype == torch.float32
-        assert half[row_id].prepared.mm_inputs["pixel_values"].dtype == torch.bfloat16
-        assert torch.equal(half[row_id].prepared.mm_inputs["pixel_values"], pixels.to(torch.bfloat16))
-        assert half[row_id].prepared.mm_inputs["image_grid_thw"].dtype == item.prepared.mm_inputs["image_grid_thw"].dtype
+        (ours,), (theirs,) = half[row_id].prepared.media, item.prepared.media
+        assert theirs.tensors["pixel_values"].dtype == torch.float32
+        assert ours.tensors["pixel_values"].dtype == torch.bfloat16
+        assert torch.equal(ours.tensors["pixel_values"], theirs.tensors["pixel_values"].to(torch.bfloat16))
+        assert ours.tensors["image_grid_thw"].dtype == theirs.tensors["image_grid_thw"].dtype
 
 
 def test_one_pool_serves_jobs_with_their_own_folders(tmp_path: Path, tiny_qwen: Path) -> None:
@@ -136,7 +136,7 @@ def test_one_pool_serves_jobs_with_their_own_folders(tmp_path: Path, tiny_qwen: 
             rows = [row for batch in open_dataset(dataset).iter_rows() for row in batch]
             got = list(preparer.prepare(rows, _preparation(manifest, spec, defaults, None)))
             assert sorted(r.row_id for r in got) == [0, 1, 2]
-            assert all(r.error is None and "pixel_values" in r.prepared.mm_inputs for r in got), [r.error for r in got]
+            assert all(r.error is None and "pixel_values" in r.prepared.media[0].tensors for r in got), [r.error for r in got]
     finally:
         preparer.close()
     assert preparer.starts == 1 and preparer.restarts == 0

@@ -11,11 +11,12 @@ import time
 
 import pytest
 
+from vlmbatch.config import EngineConfig
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.models.base import PreparedPrompt
+from vlmbatch.families.prompt import PreparedPrompt
 from vlmbatch.server.async_engine import AsyncEngine
 
 
@@ -26,7 +27,7 @@ class OneTokenPerStepEngine(Engine):
     name = "scripted"
 
     def __init__(self, step_delay_s: float = 0.0):
-        super().__init__(adapter=None)  # type: ignore[arg-type]
+        super().__init__(adapter=None, config=EngineConfig())  # type: ignore[arg-type]
         self.running: dict[str, tuple[PreparedPrompt, SamplingParams, list[int]]] = {}
         self.batches: list[set[str]] = []
         self.aborted: list[str] = []

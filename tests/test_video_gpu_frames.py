@@ -19,7 +19,7 @@ from vlmbatch.job import pool
 from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
 from vlmbatch.media.types import VideoFrames
 from vlmbatch.media.video import decodes_on_gpu, load_video, parse_video_options
-from vlmbatch.models.registry import load_adapter
+from vlmbatch.families.registry import load_adapter
 from vlmbatch.testing.data import write_image_dataset
 from vlmbatch.testing.gpu_frames import VIDEO_PROMPT, compare_on_device, within_tolerance
 from vlmbatch.testing.videos import ffmpeg_available, make_video
@@ -47,11 +47,12 @@ def test_cpu_tensor_frames_give_exactly_the_numpy_outputs(qwen, video):
     from_numpy = qwen.prepare(VIDEO_PROMPT, videos=[video])
     from_tensor = qwen.prepare(VIDEO_PROMPT, videos=[replace(video, frames=torch.from_numpy(video.frames))])
     assert from_tensor.prompt_token_ids == from_numpy.prompt_token_ids
-    assert from_tensor.mm_inputs.keys() == from_numpy.mm_inputs.keys()
-    for key, value in from_numpy.mm_inputs.items():
-        assert from_tensor.mm_inputs[key].device.type == "cpu"
-        assert torch.equal(from_tensor.mm_inputs[key], value), key
-    assert from_tensor.mm_hashes == from_numpy.mm_hashes
+    (ours,), (theirs,) = from_tensor.media, from_numpy.media
+    assert ours.tensors.keys() == theirs.tensors.keys()
+    for key, value in theirs.tensors.items():
+        assert ours.tensors[key].device.type == "cpu"
+        assert torch.equal(ours.tensors[key], value), key
+    assert ours.content_hash == theirs.content_hash
     result = compare_on_device(qwen, video, "cpu")
     assert within_tolerance(result) and result["max_abs_diff"] == 0.0
 

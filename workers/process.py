@@ -30,9 +30,10 @@ def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_r
     prepare_video_backend(parse_video_options(json.loads(media_io_kwargs).get("video")))
     llm = None
     if not dry_run:
+        from vlmbatch.config import EngineConfig
         from vlmbatch.job.plan import load_llm
 
-        llm = load_llm(model, engine=engine, dtype=dtype)
+        llm = load_llm(model, EngineConfig.from_env(os.environ, engine=engine, dtype=dtype))
     preparer = RowPreparer()  # one preprocessing pool for every shard this process runs
     try:
         preparer.start(AdapterSpec(model) if llm is not None else None)

@@ -18,12 +18,8 @@ write into a spare block instead, so every backend can store with one scatter.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +47,6 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str
-    # A module with fused `rms_norm` and `apply_rotary` (the `vlmbatch.kernels` contract)
-    # the decoder should use alongside this backend, or None for plain torch.
-    elementwise_kernels: Any = None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Write this step's keys/values [num_tokens, kv_heads, head_dim] into their slots."""
@@ -131,19 +124,22 @@ class TorchBackend(AttentionBackend):
 
 
 class TritonBackend(AttentionBackend):
-    """Our Triton kernels (split-KV decode, varlen paged prefill)."""
+    """Our Triton kernels (split-KV decode, varlen paged prefill); `pdl_max_rows` as the
+    model's other kernels were built with (`KernelSet.pdl_max_rows`)."""
 
     name = "triton"
 
-    def __init__(self) -> None:
-        self.kernels = self.elementwise_kernels = importlib.import_module("vlmbatch.kernels")
+    def __init__(self, pdl_max_rows: int = 0) -> None:
+        self.kernels = importlib.import_module("vlmbatch.kernels")
+        self.pdl_max_rows = pdl_max_rows
 
     def store_kv(self, k, v, k_cache, v_cache, meta):
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta, rotary):
         """One kernel for both (the decoder's rotary is this backend's fused one)."""
-        return self.kernels.apply_rotary_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return self.kernels.apply_rotary_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                                   pdl_max_rows=self.pdl_max_rows)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
         return self.kernels.paged_prefill_attention(
@@ -151,7 +147,8 @@ class TritonBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, meta, scale):
-        return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                                   pdl_max_rows=self.pdl_max_rows)
 
 
 def flash_attn_flavour() -> str | None:
@@ -208,43 +205,33 @@ class FlashAttnBackend(AttentionBackend):
 BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (TorchBackend, TritonBackend, FlashAttnBackend)}
 
 
-def _measurements_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlmbatch" / "attention_backends.json"
-
-
-def record_fastest_backend(device: torch.device, name: str) -> None:
-    """Remember the backend `vlmbatch bench engine` measured fastest on this GPU model."""
-    path = _measurements_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    recorded = json.loads(path.read_text()) if path.exists() else {}
-    recorded[torch.cuda.get_device_name(device)] = name
-    path.write_text(json.dumps(recorded, indent=2))
+def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
+    """The backend `name` stands for on `device`, and why (for the start-up log). `auto` is a
+    fixed rule from measurements, not a file a benchmark wrote: on the H200 our Triton
+    kernels beat FlashAttention-4 at batch 64 (4.07 vs 6.21 ms a decode step, BENCHMARKS.md
+    session 3) and SDPA over gathered KV everywhere, so CUDA takes triton when it imports;
+    the CPU takes torch."""
+    if name not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name, "chosen by --attention-backend / VLMBATCH_ATTENTION_BACKEND"
+    if device.type != "cuda":
+        return "torch", "auto: the only backend on the CPU"
+    if importlib.util.find_spec("triton") is not None:
+        return "triton", "auto: fastest measured on the H200 (BENCHMARKS.md); --attention-backend overrides"
+    return "torch", "auto: triton is not installed"
 
 
 def available_backends(device: torch.device) -> list[str]:
-    """Backends that can run on `device`, fastest first: the one the engine benchmark
-    measured fastest on this GPU model if it recorded one, then our Triton kernels,
-    flash-attn and plain PyTorch."""
+    """Backends that can run on `device` (the benchmark checks each)."""
     if device.type != "cuda":
         return ["torch"]
-    names = []
-    if importlib.util.find_spec("triton") is not None:
-        names.append("triton")
-    if flash_attn_flavour() is not None:
-        names.append("flash-attn")
-    names.append("torch")
-    path = _measurements_file()
-    fastest = json.loads(path.read_text()).get(torch.cuda.get_device_name(device)) if path.exists() else None
-    return sorted(names, key=lambda n: n != fastest)
+    names = ["triton"] if importlib.util.find_spec("triton") is not None else []
+    return names + (["flash-attn"] if flash_attn_flavour() is not None else []) + ["torch"]
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` takes `VLMBATCH_ATTENTION_BACKEND` when set (how the CLI commands choose),
-    else the first of `available_backends(device)`."""
-    if name == "auto":
-        name = os.environ.get("VLMBATCH_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
-    if name == "auto":
-        name = available_backends(device)[0]
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
+def create_backend(name: str, pdl_max_rows: int = 0) -> AttentionBackend:
+    """Backend `name` (already resolved: not `auto`)."""
+    if name == "triton":
+        return TritonBackend(pdl_max_rows)
     return BACKENDS[name]()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from vlmbatch.config import EngineConfig
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+from vlmbatch.families.adapter import ModelAdapter
+from vlmbatch.families.prompt import PreparedPrompt
 
 
 class Engine(ABC):
@@ -20,9 +22,12 @@ class Engine(ABC):
     # server streams them). False (batch work): only finished requests, which spares a
     # per-step output object and incremental detokenisation for every running sequence.
     stream_outputs: bool = False
+    # Whether rows may hand this engine JPEG bytes to decode on its GPU (`gpu_images`).
+    decodes_images_on_gpu: bool = False
 
-    def __init__(self, adapter: ModelAdapter):
+    def __init__(self, adapter: ModelAdapter, config: EngineConfig):
         self.adapter = adapter
+        self.config = config
 
     @abstractmethod
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from vlmbatch.config import EngineConfig
 from vlmbatch.engine.base import Engine
+from vlmbatch.engine.gpu_images import EncodedImageDecoder
+from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.media.gpu_batch import materialize_prompt_inputs
-from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+from vlmbatch.engine.stopping import find_stop
+from vlmbatch.families.adapter import ModelAdapter
+from vlmbatch.families.prompt import PreparedPrompt, collate
+
+DEFAULT_MAX_BATCH_SIZE = 64
 
 
 @dataclass
@@ -49,6 +55,26 @@ def _batch_key(params: SamplingParams, request_id: str) -> tuple:
     return ("sample", params.temperature, params.top_p, params.top_k, params.ignore_eos, params.n)
 
 
+def generate_inputs(hf_model: torch.nn.Module, adapter: ModelAdapter, prompts: list[PreparedPrompt],
+                    pad_token_id: int) -> dict[str, torch.Tensor]:
+    """What `hf_model.generate()` takes for decoded `prompts`: left-padded ids (generation
+    appends on the right) and the media in the processor's batch layout, on the model's
+    device, pixels in its dtype. `mm_token_type_ids` (Qwen's M-RoPE needs the per-token
+    modality) only for transformers versions whose forward takes it."""
+    longest = max(p.num_tokens for p in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, longest - prompt.num_tokens :] = torch.tensor(prompt.prompt_token_ids, dtype=torch.long)
+        attention_mask[row, longest - prompt.num_tokens :] = 1
+    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:
+        inputs["mm_token_type_ids"] = adapter.mm_token_type_ids(input_ids)
+    inputs.update(collate([item for p in prompts for item in p.media]))
+    device, dtype = next(hf_model.parameters()).device, hf_model.dtype
+    return {k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device) for k, v in inputs.items()}
+
+
 class _RequestsDone(StoppingCriteria):
     """Per-row stop test, so `generate()` ends the batch as soon as every row has ended
     (HF's own criteria apply one max length and one stop-string list to the whole batch).
@@ -66,8 +92,7 @@ class _RequestsDone(StoppingCriteria):
         generated = input_ids.shape[1] - self.prompt_len
         done = (torch.isin(input_ids[:, -1], self.eos) & self.honours_eos) | (generated >= self.max_tokens)
         for row, stops in self.stops.items():
-            text = self.engine.tokenizer.decode(input_ids[row, self.prompt_len :], skip_special_tokens=True)
-            if any(stop in text for stop in stops):
+            if find_stop(self.engine.tokenizer.decode(input_ids[row, self.prompt_len :], skip_special_tokens=True), stops):
                 done[row] = True
         return done
 
@@ -75,28 +100,20 @@ class _RequestsDone(StoppingCriteria):
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(
-        self,
-        adapter: ModelAdapter,
-        model: torch.nn.Module | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        max_batch_size: int = 64,
-    ):
-        super().__init__(adapter)
+    def __init__(self, adapter: ModelAdapter, config: EngineConfig, model: torch.nn.Module | None = None):
+        """`model`: an already loaded `transformers` model of the checkpoint (benchmarks, tests)."""
+        super().__init__(adapter, config)
         if model is None:
-            from vlmbatch.models.registry import load_hf_model
-
-            model = load_hf_model(adapter.model_path, dtype=dtype, device=device)
+            device = resolve_device(config.device)
+            model = load_hf_model(adapter.model_path, resolve_dtype(config.dtype, device), device, config.trust_remote_code)
         self.model = model
         self.device = next(model.parameters()).device
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = config.max_num_seqs or DEFAULT_MAX_BATCH_SIZE
+        self._image_decoder = EncodedImageDecoder(adapter.model_path, self.device)
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
-        # Qwen's M-RoPE needs the per-token modality; rebuilt from the ids when the model takes it.
-        self._takes_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
 
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
@@ -124,27 +141,13 @@ class HFEngine(Engine):
         return self._run_batch(batch)
 
     def _collate(self, batch: list[_Request]) -> dict[str, torch.Tensor]:
-        """Left-pad the prompts (generation appends on the right) and concatenate the media."""
-        longest = max(r.prompt.num_tokens for r in batch)
-        input_ids = torch.full((len(batch), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, request in enumerate(batch):
-            ids = request.prompt.prompt_token_ids
-            input_ids[row, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, longest - len(ids) :] = 1
-        inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self._takes_token_types:
-            inputs["mm_token_type_ids"] = self.adapter.mm_token_type_ids(input_ids)
-        # Jobs never defer JPEGs for this engine (media/gpu_batch.py); prompts built that way elsewhere are decoded here.
-        media = [materialize_prompt_inputs(r.prompt.mm_inputs, self.device) for r in batch]
-        keys = dict.fromkeys(k for m in media for k in m)
-        for key in keys:
-            inputs[key] = torch.cat([m[key].to(self.device) for m in media if key in m], dim=0)
-        dtype = self.model.dtype
-        return {
-            k: v.to(self.device, dtype=dtype) if k.startswith("pixel_values") else v.to(self.device)
-            for k, v in inputs.items()
-        }
+        # Jobs never defer JPEGs for this engine (gpu_images.py); prompts built that way elsewhere are decoded here.
+        prompts = []
+        for request in batch:
+            encoded = [item for item in request.prompt.media if item.encoded is not None]
+            decoded = dict(zip(map(id, encoded), self._image_decoder.decode(encoded)))
+            prompts.append(replace(request.prompt, media=[decoded.get(id(item), item) for item in request.prompt.media]))
+        return generate_inputs(self.model, self.adapter, prompts, self.pad_token_id)
 
     def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
         """Every knob set explicitly: `generate()` would otherwise fill unset ones from the
@@ -207,10 +210,8 @@ class HFEngine(Engine):
             eos_at = next((i for i, t in enumerate(tokens[:limit]) if t in self.eos_token_ids), None)
         if eos_at is not None:
             limit = eos_at + 1
-        if params.stop:
-            text = self.tokenizer.decode(tokens[:limit], skip_special_tokens=True)
-            if any(s in text for s in params.stop):
-                return self._stop_string_ending(tokens[:limit], params.stop)
+        if params.stop and find_stop(self.tokenizer.decode(tokens[:limit], skip_special_tokens=True), params.stop):
+            return self._stop_string_ending(tokens[:limit], params.stop)
         if eos_at is not None:
             return _Ending(limit, "stop", tokens[eos_at])
         return _Ending(limit, "length")
@@ -219,10 +220,9 @@ class HFEngine(Engine):
         """The shortest prefix whose text contains a stop string; the text is cut before it."""
         for length in range(1, len(tokens) + 1):
             text = self.tokenizer.decode(tokens[:length], skip_special_tokens=True)
-            found = [(text.find(s), s) for s in stops if s in text]
-            if found:
-                cut, stop = min(found)
-                return _Ending(length, "stop", stop, text[:cut])
+            hit = find_stop(text, stops)
+            if hit is not None:
+                return _Ending(length, "stop", hit[1], text[: hit[0]])
         raise AssertionError("a stop string was found in the full text but in no prefix")
 
     def _completion(self, index: int, tokens: list[int], params: SamplingParams) -> CompletionOutput:

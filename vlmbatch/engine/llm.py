@@ -7,14 +7,16 @@ share: it drives `add_request`/`step` until the given requests are finished.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vlmbatch.engine import create_engine
+from vlmbatch.config import EngineConfig
+from vlmbatch.engine.factory import create_engine
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.models.base import PreparedPrompt
-from vlmbatch.models.registry import load_adapter
+from vlmbatch.families.prompt import PreparedPrompt
+from vlmbatch.families.registry import load_adapter
 
 PromptInput = str | dict[str, Any]
 Request = tuple[str, PreparedPrompt, SamplingParams]
@@ -44,30 +46,34 @@ class LLM:
     >>> llm = LLM("Qwen/Qwen2.5-VL-3B-Instruct")
     >>> llm.generate({"prompt": "...<|vision_start|><|image_pad|><|vision_end|>...",
     ...               "multi_modal_data": {"image": img}}, SamplingParams(max_tokens=32))
+
+    Engine options (`engine`, `dtype`, `device`, `max_num_seqs`, `attention_backend`, ... see
+    `EngineConfig`) are keywords, over `VLMBATCH_*` variables, over defaults; `config` passes
+    a whole `EngineConfig` instead (the CLI and workers build one at their edge). An unknown
+    option is a `ConfigError` that names it.
     """
 
     def __init__(
         self,
         model: str,
-        engine: str = "auto",
-        dtype: str = "auto",
-        device: str = "auto",
+        config: EngineConfig | None = None,
+        *,
         chat_template: str | None = None,
-        max_batch_size: int | None = None,
-        seed: int = 0,
-        trust_remote_code: bool = False,
         media_io_kwargs: dict[str, Any] | None = None,
-        **engine_kwargs: Any,
+        **engine_options: Any,
     ):
         from vlmbatch.media.loader import MediaLoader
 
+        if config is None:
+            config = EngineConfig.from_env(os.environ, **engine_options)
+        elif engine_options:
+            config = config.updated(**engine_options)
+        self.config = config
         self.model_name = str(model)
         # chat() loads image_url/video_url parts like a batch job would: local paths allowed.
         self.media = MediaLoader(media_io_kwargs=media_io_kwargs)
-        self.adapter = load_adapter(self.model_name, chat_template=chat_template, trust_remote_code=trust_remote_code)
-        self.engine = create_engine(
-            engine, self.adapter, dtype=dtype, device=device, max_batch_size=max_batch_size, seed=seed, **engine_kwargs
-        )
+        self.adapter = load_adapter(self.model_name, chat_template=chat_template, trust_remote_code=config.trust_remote_code)
+        self.engine = create_engine(self.adapter, config)
         self.tokenizer = self.adapter.processor.tokenizer
         self._request_ids = itertools.count()
 
@@ -110,7 +116,7 @@ class LLM:
         """Generate for OpenAI-style conversations (one, or a list of them) through the
         model's chat template; `image_url`/`video_url` parts are loaded, `image_pil` parts
         (a PIL image under "image_pil") are used as they are."""
-        from vlmbatch.engine.chat import parse_chat_messages
+        from vlmbatch.chat import parse_chat_messages
 
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)

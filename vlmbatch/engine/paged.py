@@ -4,7 +4,7 @@
 admitted requests (vision tower, batched, cached by content) → one forward + sampling
 (runner) → append tokens, detokenise incrementally, check EOS / stop strings / length.
 
-Decode steps are asynchronous (`async_decode`; `VLMBATCH_ASYNC_DECODE=0` turns it off):
+Decode steps are asynchronous (`EngineConfig.async_decode`; `VLMBATCH_ASYNC_DECODE=0` turns it off):
 while step n runs on the GPU the host already launches
 step n + 1, whose input tokens are step n's samples still on the device, and only then
 reads step n's tokens and checks them. Each sequence carries a placeholder for its token
@@ -17,24 +17,32 @@ admission, a preemption, an abort), the step in flight is finished first.
 from __future__ import annotations
 
 import copy
-import os
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from vlmbatch.engine.attention import create_backend
+from vlmbatch.config import EngineConfig
+from vlmbatch.engine.attention import create_backend, resolve_backend
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.block_manager import BlockManager
+from vlmbatch.engine.gpu_images import EncodedImageDecoder
+from vlmbatch.engine.kernel_choice import choose_kernels
+from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
+from vlmbatch.engine.multimodal import place_media
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.runner import ModelRunner, PendingTokens
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
-from vlmbatch.engine.sequence import MultimodalData, Sequence, SequenceStatus
-from vlmbatch.engine.models.vlm import FAMILIES, build_model
+from vlmbatch.engine.sequence import Sequence, SequenceStatus
+from vlmbatch.engine.stopping import IncrementalDetokenizer, find_stop
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.media.gpu_batch import split_media
-from vlmbatch.models.base import ModelAdapter, PreparedPrompt, cast_pixels
+from vlmbatch.families.adapter import ModelAdapter
+from vlmbatch.families.prompt import PreparedPrompt
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass
@@ -77,76 +85,50 @@ class _InFlight:
     waited_s: float = field(default=0.0)
 
 
-class _Detokenizer:
-    """Incremental detokenisation (`tokenizers.DecodeStream`): each step costs O(new tokens)."""
-
-    def __init__(self, tokenizer):
-        from tokenizers.decoders import DecodeStream
-
-        self.backend = tokenizer.backend_tokenizer
-        self.stream = DecodeStream(skip_special_tokens=True)
-
-    def step(self, token_id: int) -> str:
-        return self.stream.step(self.backend, token_id) or ""
-
-
 class PagedEngine(Engine):
     name = "paged"
 
-    def __init__(
-        self,
-        adapter: ModelAdapter,
-        model_path: str,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        attention_backend: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        gpu_memory_utilization: float = 0.9,
-        num_kv_blocks: int | None = None,
-        block_size: int | None = None,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-        max_model_len: int | None = None,
-        hf_model: torch.nn.Module | None = None,
-        min_admission_batch: int = 64,
-    ):
-        """`hf_model`: an already loaded `transformers` model of `model_path` on the target
+    def __init__(self, adapter: ModelAdapter, config: EngineConfig, hf_model: torch.nn.Module | None = None):
+        """`hf_model`: an already loaded `transformers` model of the checkpoint on the target
         device (benchmarks); its language model is taken over and dropped from it.
-        `min_admission_batch`: see `Scheduler` (1 = admit as soon as a slot is free); 64 gave
-        W1 72.8 / W2 45.1 req/s on the H200 against 62.6 / 22.5 with 1 (BENCHMARKS.md)."""
-        from vlmbatch.models.registry import load_hf_model, resolve_device, resolve_dtype
-
-        super().__init__(adapter)
-        target = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, target)
-        self.device = target
-        self.max_model_len = min(max_model_len or adapter.max_model_len, adapter.max_model_len)
-        block_size = block_size or (16 if target.type == "cpu" else 256)
-        hf_model = hf_model if hf_model is not None else load_hf_model(model_path, torch_dtype, str(target))
-        self.model = build_model(hf_model, target, torch_dtype)
-        self.backend = create_backend(attention_backend, target)
+        `config.min_admission_batch`: see `Scheduler` (1 = admit as soon as a slot is free);
+        64 gave W1 72.8 / W2 45.1 req/s on the H200 against 62.6 / 22.5 with 1 (BENCHMARKS.md)."""
+        super().__init__(adapter, config)
+        self.device = device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        self.max_model_len = min(config.max_model_len or adapter.max_model_len, adapter.max_model_len)
+        block_size = config.block_size or (16 if device.type == "cpu" else 256)
+        max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        backend_name, backend_reason = resolve_backend(config.attention_backend, device)
+        kernels = choose_kernels(config, device, backend_name)
+        if hf_model is None:
+            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
+        image_decoder = EncodedImageDecoder(adapter.model_path, device)
+        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder)
+        self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
-            self.model, self.backend, target, block_size, max_num_seqs, max_num_batched_tokens,
-            self.max_model_len, num_kv_blocks, gpu_memory_utilization, enforce_eager,
+            self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
+            self.max_model_len, config.num_kv_blocks, config.gpu_memory_utilization, config.enforce_eager,
         )
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, min_admission_batch)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.stats = EngineStats()
         self._arrivals = 0
         self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
-        # Launch decode step n + 1 before reading step n's tokens (module docstring);
-        # VLMBATCH_ASYNC_DECODE=0 awaits every step.
-        self.async_decode = os.environ.get("VLMBATCH_ASYNC_DECODE", "1").strip() != "0"
+        # Launch decode step n + 1 before reading step n's tokens (module docstring).
+        self.async_decode = config.async_decode
+        self.decodes_images_on_gpu = device.type == "cuda"
         self._in_flight: _InFlight | None = None
-
-    @classmethod
-    def is_supported(cls, adapter: ModelAdapter) -> bool:
-        """Every family with an engine decoder, on CPU and GPU (`create_engine`'s `auto`)."""
-        return adapter.family in FAMILIES
+        kv_gib = self.runner.num_kv_blocks * self.runner.block_bytes / 2**30
+        log.info("paged engine: %s on %s in %s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
+                 "(%.1f GiB, %s); max %d sequences, %d tokens per step; %s decoding",
+                 adapter.family.name, device, str(dtype).removeprefix("torch."), backend_name, backend_reason,
+                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib,
+                 "as configured" if config.num_kv_blocks else "sized from free memory", max_num_seqs,
+                 config.max_num_batched_tokens, "asynchronous" if self.async_decode else "awaited")
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
@@ -163,42 +145,17 @@ class PagedEngine(Engine):
                 f"the engine's limit of {min(self.max_model_len, capacity)} tokens",
                 "prompt",
             )
-        mm = self._multimodal_data(prompt) if prompt.mm_inputs else None
+        mm = place_media(self.model, prompt, self.runner.dtype) if prompt.media else None
         group = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq = Sequence(request_id, list(prompt.prompt_token_ids), replace(params, n=1, seed=seed),
                            prompt=prompt.prompt, mm=copy.copy(mm), arrival=self._arrivals, index=index,
-                           detokenizer=_Detokenizer(self.tokenizer))
+                           detokenizer=IncrementalDetokenizer(self.tokenizer))
             self._arrivals += 1
             group.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = group
-
-    def _multimodal_data(self, prompt: PreparedPrompt) -> MultimodalData:
-        """Media items, the prompt positions their tokens fill, and M-RoPE positions."""
-        items = split_media(self.model, prompt.mm_inputs, prompt.mm_hashes)  # pending JPEGs too
-        for item in items:  # pixels already on the GPU (GPU video decoders) wait there: in the tower's dtype
-            cast_pixels(item.inputs, self.runner.dtype, on_device_only=True)
-        ids = torch.tensor(prompt.prompt_token_ids)
-        media_index = torch.full_like(ids, -1)
-        spans, row = [], 0
-        for kind, token_id in self.model.placeholder_token_ids.items():
-            where = (ids == token_id).nonzero().squeeze(1)
-            kind_items = [i for i in items if i.kind == kind]
-            if sum(i.num_tokens for i in kind_items) != len(where):
-                raise RowError(ErrorType.PLACEHOLDER_MISMATCH, f"{len(where)} {kind} tokens for {len(kind_items)} {kind}(s)", "prompt")
-            for item, positions in zip(kind_items, where.split([i.num_tokens for i in kind_items])):
-                spans.append((item, (int(positions[0]), int(positions[-1]) + 1)))
-                media_index[positions] = torch.arange(row, row + item.num_tokens)
-                row += item.num_tokens
-        ordered = [item for item, _ in spans]
-        rope_positions, rope_delta = self.model.prompt_positions(prompt.prompt_token_ids, prompt.mm_inputs)
-        return MultimodalData(
-            inputs={"items": ordered}, hashes=[i.content_hash for i in ordered],
-            token_spans=[span for _, span in spans], media_index=media_index,
-            rope_positions=rope_positions, rope_delta=rope_delta,
-        )
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
@@ -284,34 +241,10 @@ class PagedEngine(Engine):
             s.decode_launch_s += launch_s
             s.decode_wait_s += forward_s - launch_s
 
-    @torch.no_grad()
-    def teacher_forced_logits(self, prompts: list[PreparedPrompt], continuations: list[list[int]]) -> list[torch.Tensor]:
-        """Logits [len(continuation) + 1, vocab] (fp32, host) of each prompt's last token and
-        of each forced continuation token, computed through the normal schedule (batched
-        prefill, then decode steps): what the correctness checks compare with transformers."""
-        greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        forced = {}
-        for i, (prompt, continuation) in enumerate(zip(prompts, continuations)):
-            self.add_request(f"teacher-forced-{i}", prompt, greedy.updated(max_tokens=len(continuation) + 1))
-            forced[f"teacher-forced-{i}"] = (list(continuation), [])
-        while self.scheduler.has_unfinished():
-            batch = self.scheduler.schedule()
-            self._encode_media(batch)
-            seqs, logits = self.runner.forward_logits(batch)
-            self.scheduler.finish_step(batch)
-            for seq, row in zip(seqs, logits.float().cpu()):
-                continuation, rows = forced[seq.request_id]
-                rows.append(row)
-                if len(rows) <= len(continuation):
-                    seq.token_ids.append(continuation[len(rows) - 1])
-                else:
-                    self.abort_request(seq.request_id)
-        return [torch.stack(rows) for _, rows in forced.values()]
-
     def _encode_media(self, batch: ScheduledBatch) -> bool:
         """Embed the media of sequences seen for the first time; True when the tower ran."""
         pending = [s for s in batch.seqs if s.mm is not None and s.mm.embeds is None]
-        for seq, embeds in zip(pending, self.model.encode([s.mm.inputs["items"] for s in pending]) if pending else ()):
+        for seq, embeds in zip(pending, self.model.encode([s.mm.items for s in pending]) if pending else ()):
             seq.mm.embeds = embeds
         return bool(pending)
 
@@ -336,12 +269,10 @@ class PagedEngine(Engine):
         """Detokenise `token` onto the text; True when a stop string ended the sequence."""
         previous = len(seq.text)
         seq.text += seq.detokenizer.step(token)
-        for stop in seq.params.stop:
-            at = seq.text.find(stop, max(0, previous - len(stop) + 1))
-            if at >= 0:
-                self._finish(seq, "stop", stop, text=seq.text[:at])
-                return True
-        return False
+        hit = find_stop(seq.text, seq.params.stop, previous)
+        if hit is not None:
+            self._finish(seq, "stop", hit[1], text=seq.text[: hit[0]])
+        return hit is not None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None, text: str | None = None) -> None:
         """The stream holds back incomplete characters; a finished text is the full decode

@@ -1,45 +1,31 @@
 """Turns a scheduled batch into one forward pass over the paged KV cache, then samples.
 
-Owns the device state: the KV cache (one tensor pair per layer, sized from free GPU
-memory unless `num_kv_blocks` is given), the attention backend, and on CUDA the decode
-CUDA graphs, one per batch size in 1, 2, 4, 8, 16, 32, ... up to `max_num_seqs`,
-captured over static input buffers and replayed with the batch padded to the next
-captured size. Padding rows write their KV into one spare block past the ones the
-block manager hands out, so they never touch a sequence's cache.
+Owns the device state: the KV cache (`kv_cache.py`: one tensor pair per layer, sized from
+free GPU memory unless `num_kv_blocks` is given), the attention backend, and on CUDA the
+decode CUDA graphs (`decode_graphs.py`), replayed with the batch padded to the next
+captured size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
-from vlmbatch.engine.models.vlm import VisionLanguageModel
+from vlmbatch.engine.decode_graphs import StaticDecodeInputs, graph_batch_sizes
+from vlmbatch.engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_blocks_from_free_memory
 from vlmbatch.engine.sampler import SamplingBatch, sample
 from vlmbatch.engine.scheduler import ScheduledBatch
 from vlmbatch.engine.sequence import Sequence
-
-_ACTIVATION_RESERVE_BYTES = 4 << 30  # vision tower (a full step of images), graphs and sampling beyond the measured prefill peak
-_CPU_KV_CACHE_BYTES = 256 << 20  # default cache on the CPU, where free memory says little
-# Decode graphs up to this batch launch their Triton kernels with programmatic dependent
-# launch (`vlmbatch.kernels.pdl`): -3% step time at batch 1 on the H200, +3-5% at batch 64.
-PDL_MAX_BATCH = 16
+from vlmbatch.engine.vision_language import VisionLanguageModel
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one int32 [num_seqs, longest] host tensor, unused entries -1."""
     width = max(len(t) for t in tables)
     return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8]
-    while sizes[-1] < max_num_seqs:
-        sizes.append(sizes[-1] * 2 if sizes[-1] < 32 else sizes[-1] + 32)
-    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
 class ModelRunner:
@@ -59,13 +45,12 @@ class ModelRunner:
         self.model = model
         self.decoder = model.decoder
         self.backend = backend
-        self.model.use_kernels(backend.elementwise_kernels)
         self.device = device
         self.dtype = self.decoder.embed_tokens.weight.dtype
         self.block_size = block_size
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
         self.num_kv_blocks = num_kv_blocks or self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
-        self.kv_caches = self._allocate_cache(self.num_kv_blocks + 1)
+        self.kv_caches = allocate_kv_cache(self.decoder, self.num_kv_blocks + 1, block_size, self.dtype, device)
         self.pad_slot = self.num_kv_blocks * block_size  # the spare block
         # Decode batch size -> its CUDA graph; None = the same static buffers run eagerly
         # (`prepare_static_decode(capture=False)`: lets the CPU tests cover the padding logic).
@@ -77,42 +62,28 @@ class ModelRunner:
             self.prepare_static_decode(max_num_seqs, capture=True)
 
     # ---- KV cache -------------------------------------------------------------------
-    def _block_bytes(self) -> int:
-        per_token = 2 * len(self.decoder.layers) * self.decoder.num_kv_heads * self.decoder.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
-
-    def _allocate_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, self.block_size, self.decoder.num_kv_heads, self.decoder.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.decoder.layers]
+    @property
+    def block_bytes(self) -> int:
+        return kv_block_bytes(self.decoder, self.block_size, self.dtype)
 
     def _blocks_from_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
         """What is left of `utilization` x device memory after the weights and the peak of
-        a full-budget prefill (measured by running one)."""
-        if self.device.type != "cuda":
-            return max(1, _CPU_KV_CACHE_BYTES // self._block_bytes())
-        num_tokens = max_num_batched_tokens
-        blocks = (num_tokens + self.block_size - 1) // self.block_size
-        self.kv_caches = self._allocate_cache(blocks + 1)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        seq_meta = self._prefill_metadata_for_warmup(num_tokens, blocks)
-        with torch.no_grad():
-            embeds = self.decoder.embed_tokens(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
-            positions = torch.arange(num_tokens, device=self.device)
-            if self.model.mrope:
-                positions = positions.expand(3, -1)
-            hidden = self.decoder(embeds, positions, self.kv_caches, seq_meta, self.backend)
-            self.decoder.compute_logits(hidden[-1:])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del self.kv_caches
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info()[1]
-        budget = int(total * utilization) - peak - _ACTIVATION_RESERVE_BYTES
-        num_blocks = budget // self._block_bytes()
-        if num_blocks < 1:
-            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
-        return int(num_blocks)
+        a full-budget prefill, measured by running one (`kv_cache.kv_blocks_from_free_memory`)."""
+
+        def full_prefill() -> None:
+            num_tokens = max_num_batched_tokens
+            blocks = (num_tokens + self.block_size - 1) // self.block_size
+            caches = allocate_kv_cache(self.decoder, blocks + 1, self.block_size, self.dtype, self.device)
+            meta = self._prefill_metadata_for_warmup(num_tokens, blocks)
+            with torch.no_grad():
+                embeds = self.decoder.embed_tokens(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
+                positions = torch.arange(num_tokens, device=self.device)
+                if self.model.mrope:
+                    positions = positions.expand(3, -1)
+                hidden = self.decoder(embeds, positions, caches, meta, self.backend)
+                self.decoder.compute_logits(hidden[-1:])
+
+        return kv_blocks_from_free_memory(self.device, self.block_bytes, full_prefill, utilization)
 
     def _prefill_metadata_for_warmup(self, num_tokens: int, blocks: int) -> AttentionMetadata:
         return self._metadata(
@@ -240,9 +211,9 @@ class ModelRunner:
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def use_backend(self, backend: AttentionBackend) -> None:
-        """Switch attention backends (benchmarks compare them on one loaded model)."""
+        """Switch attention backends (benchmarks compare them on one loaded model; the
+        model's other kernels stay as it was built with)."""
         self.backend = backend
-        self.model.use_kernels(backend.elementwise_kernels)
         if self.graphs:
             capture = any(g is not None for g in self.graphs.values())
             self.graphs.clear()
@@ -261,19 +232,13 @@ class ModelRunner:
             self._stage(size, [], torch.zeros((3, 0) if self.model.mrope else (0,), dtype=torch.long), [], [], [])  # all padding
             meta = self._static_meta_view(size)
             graph = torch.cuda.CUDAGraph()
-            with self._kernel_launch_scope(size):
-                self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
-                with torch.cuda.graph(graph, pool=pool):
-                    self.graph_logits[size] = self._decode_forward(size, meta)
+            self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_logits[size] = self._decode_forward(size, meta)
             pool = graph.pool()
             self.graphs[size] = graph
         if capture:
             torch.cuda.synchronize()
-
-    def _kernel_launch_scope(self, size: int) -> contextlib.AbstractContextManager:
-        """Small decode batches launch the backend's Triton kernels with PDL."""
-        kernels = self.backend.elementwise_kernels
-        return kernels.launches_with_pdl(size <= PDL_MAX_BATCH) if kernels is not None else contextlib.nullcontext()
 
     def _static_meta_view(self, size: int) -> AttentionMetadata:
         inputs = self.static_inputs
@@ -344,82 +309,3 @@ class TokenCopies:
         ready = torch.cuda.Event()
         ready.record()
         return PendingTokens(seqs, tokens, host, ready)
-
-
-class StaticDecodeInputs:
-    """The decode graphs' input buffers, filled by one host-to-device copy per step.
-
-    Token ids, positions, slots, context lengths and block tables of the `size` rows a
-    graph replays (padding rows included) are packed into a pinned host buffer and
-    copied in one transfer; the graph itself spreads the first four into the static
-    tensors it reads (`spread`, captured with the forward: their place in the packed
-    buffer depends only on `size`), and one device copy places the block tables, whose
-    width varies. A dozen small host-side tensor ops per step used to cost about as much
-    host time as the whole batch-1 forward takes on the GPU.
-    """
-
-    def __init__(self, max_num_seqs: int, position_rows: int, max_blocks: int, device: torch.device):
-        n = max_num_seqs
-        self.position_rows = position_rows
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros((position_rows, n), dtype=torch.long, device=device)
-        if position_rows == 1:
-            self.positions = self.positions[0]
-        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
-        capacity = n * (3 + position_rows + max_blocks)
-        # Two host buffers in turn: a step is staged while the previous one may still be
-        # queued on the GPU (asynchronous decoding), so its buffer must not be rewritten
-        # before its own copy has run (`copied`).
-        self.hosts = [torch.empty(capacity, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
-        self.copied: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
-        self.staging = torch.empty(capacity, dtype=torch.int64, device=device)
-
-    def stage(self, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int],
-              size: int, pad_slot: int, pad_block: int) -> None:
-        """Rows [0, len(ids)) from the batch, rows up to `size` padding: slot `pad_slot`,
-        context 1 in block `pad_block`. Table entries past a row's width keep whatever an
-        earlier step left: kernels read a table only up to the row's context length."""
-        n, p = len(ids), self.position_rows
-        width = max((len(t) for t in tables), default=0) or 1
-        turn, self.turn = self.turn, self.turn ^ 1
-        if self.copied[turn] is not None:
-            self.copied[turn].synchronize()  # long done: it was queued two steps ago
-        host_tensor = self.hosts[turn]
-        host = host_tensor.numpy()
-        at = 0
-
-        def section(length: int):
-            nonlocal at
-            view = host[at : at + length]
-            at += length
-            return view
-
-        host_ids, host_positions, host_slots, host_ctx = section(size), section(p * size).reshape(p, size), section(size), section(size)
-        host_tables = section(size * width).reshape(size, width)
-        host_ids[:n], host_ids[n:] = ids, 0
-        host_positions[:, :n], host_positions[:, n:] = positions.reshape(p, n).numpy(), 0
-        host_slots[:n], host_slots[n:] = slots, pad_slot
-        host_ctx[:n], host_ctx[n:] = ctx, 1
-        host_tables.fill(-1)
-        for row, table in enumerate(tables):
-            host_tables[row, : len(table)] = table
-        host_tables[n:, 0] = pad_block
-        self.staging[:at].copy_(host_tensor[:at], non_blocking=True)
-        if self.staging.is_cuda:
-            self.copied[turn] = torch.cuda.Event()
-            self.copied[turn].record()
-        tables_at = (3 + p) * size
-        self.block_tables[:size, :width].copy_(self.staging[tables_at : tables_at + size * width].view(size, width))
-
-    def spread(self, size: int) -> None:
-        """Ids, positions, slots and context lengths of a `size`-row step from the staging
-        buffer into the static tensors (part of each captured graph)."""
-        p = self.position_rows
-        ids, positions, slots, ctx = self.staging[: (3 + p) * size].split([size, p * size, size, size])
-        self.ids[:size].copy_(ids)
-        self.positions[..., :size].copy_(positions.view(p, size) if p > 1 else positions)
-        self.slots[:size].copy_(slots)
-        self.context_lens[:size].copy_(ctx)

@@ -26,17 +26,15 @@ class SequenceStatus(enum.Enum):
 class MultimodalData:
     """What a sequence's media contribute to the decoder.
 
-    `inputs` are the processor tensors (pixel_values, grid sizes...), `hashes` identify
-    each image/video by content, and `token_spans` are the (start, end) prompt positions
-    each item's placeholder tokens occupy, in the same order as `hashes`; the block
-    manager mixes the hashes of the items that overlap a block into its prefix-cache key.
+    `items` are the media items in placeholder order and `token_spans` the (start, end)
+    prompt positions each item's placeholder tokens occupy; the block manager mixes the
+    content hashes of the items that overlap a block into its prefix-cache key.
     `embeds` ([num_media_tokens, hidden], filled by the encoder on first schedule) and
     `rope_delta` (M-RoPE: position of generated token i is i + rope_delta) live here
     so that a preempted sequence can be recomputed without encoding again.
     """
 
-    inputs: dict[str, Any]
-    hashes: list[str]
+    items: list[Any]  # MediaItem
     token_spans: list[tuple[int, int]]
     embeds: Any = None
     media_index: Any = None  # int64 [num_prompt_tokens]: row of `embeds` for each media token, else -1
@@ -106,4 +104,4 @@ class Sequence:
         """Hashes of the media whose placeholder tokens overlap positions [start, end)."""
         if self.mm is None:
             return []
-        return [h for h, (s, e) in zip(self.mm.hashes, self.mm.token_spans) if s < end and e > start]
+        return [i.content_hash for i, (s, e) in zip(self.mm.items, self.mm.token_spans) if s < end and e > start]

@@ -42,7 +42,7 @@ def dry_run(
     """Validate every row with the model's processor (no weights are loaded)."""
     from vlmbatch.io.readers import open_dataset
     from vlmbatch.job.plan import check_media_io_kwargs
-    from vlmbatch.models.registry import load_adapter
+    from vlmbatch.families.registry import load_adapter
 
     started = time.perf_counter()
     reader = open_dataset(dataset, columns)

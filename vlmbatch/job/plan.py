@@ -11,17 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.config import EngineConfig
 from vlmbatch.errors import JobError
 
 
 def check_model(model: str) -> str:
     """Fail fast on a model that cannot be resolved or is of no supported family (no weights load)."""
-    from vlmbatch.models.registry import ADAPTERS, load_config
+    from vlmbatch.families.registry import model_family
 
-    family = load_config(model).model_type
-    if family not in ADAPTERS:
-        raise JobError(f"unsupported model type {family!r} for {model}; supported: {', '.join(sorted(ADAPTERS))}")
-    return family
+    return model_family(model).name
 
 
 def check_media_io_kwargs(media_io_kwargs: dict[str, Any]) -> None:
@@ -76,7 +74,7 @@ def plan_job(
     return manifest, manifest.job_dir
 
 
-def load_llm(model: str, *, engine: str = "auto", dtype: str = "auto", device: str = "auto", chat_template: str | None = None, **kwargs: Any) -> Any:
+def load_llm(model: str, config: EngineConfig, chat_template: str | None = None) -> Any:
     """Load the model once (the expensive part of a worker's start-up). The preprocessing
     pool's fork server starts first, so its imports overlap the model load."""
     from vlmbatch.engine.llm import LLM
@@ -84,4 +82,4 @@ def load_llm(model: str, *, engine: str = "auto", dtype: str = "auto", device: s
 
     if default_num_workers() > 0:
         start_fork_server()
-    return LLM(model=model, engine=engine, dtype=dtype, device=device, chat_template=chat_template, **kwargs)
+    return LLM(model, config, chat_template=chat_template)

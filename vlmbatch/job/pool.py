@@ -49,7 +49,7 @@ from vlmbatch.errors import ErrorType, RowError
 if TYPE_CHECKING:
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.job.prepare import PreparedRow
-    from vlmbatch.models.base import ModelAdapter
+    from vlmbatch.families.adapter import ModelAdapter
 
 # One row being prepared plus one waiting, so a worker never idles between rows while a
 # slow row (a long video) holds back at most one other row.
@@ -70,7 +70,7 @@ _PRELOAD = [
     "transformers.video_processing_utils",
     "transformers.processing_utils",
     "transformers.models.auto.processing_auto",
-    "vlmbatch.models.registry",
+    "vlmbatch.families.registry",
     "vlmbatch.job.prepare",
     "vlmbatch.job.pool",
 ]
@@ -419,7 +419,7 @@ class AdapterSpec:
     trust_remote_code: bool = False
 
     def load(self) -> ModelAdapter:
-        from vlmbatch.models.registry import load_adapter
+        from vlmbatch.families.registry import load_adapter
 
         return load_adapter(self.model, self.chat_template, self.trust_remote_code)
 
@@ -441,7 +441,7 @@ class RowPreparation:
     columns: Any
     defaults: SamplingParams
     pixel_dtype: str | None = None
-    defer_jpegs: bool = False  # JPEG bytes go to the engine for GPU decoding (media/gpu_batch.py)
+    defer_jpegs: bool = False  # JPEG bytes go to the engine for GPU decoding (engine/gpu_images.py)
 
 
 def _row_preparer(adapter_spec: AdapterSpec | None) -> Callable[[Task], PreparedRow]:
@@ -449,7 +449,6 @@ def _row_preparer(adapter_spec: AdapterSpec | None) -> Callable[[Task], Prepared
     and the adapter and media loader are rebuilt only when a row's preparation asks for
     other ones (another model spelling or chat template; another dataset or media options)."""
     from vlmbatch.job.prepare import media_loader_for, prepare_row
-    from vlmbatch.models.base import cast_pixels
 
     adapter = adapter_spec.load() if adapter_spec is not None else None
     media_for: tuple[str, dict[str, Any]] | None = None
@@ -467,7 +466,8 @@ def _row_preparer(adapter_spec: AdapterSpec | None) -> Callable[[Task], Prepared
         item = prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media,
                            defer_jpegs=preparation.defer_jpegs)
         if item.prepared is not None and preparation.pixel_dtype is not None:
-            cast_pixels(item.prepared.mm_inputs, preparation.pixel_dtype)  # less to pickle
+            for media_item in item.prepared.media:
+                media_item.cast_pixels(preparation.pixel_dtype)  # less to pickle
         return item
 
     return prepare

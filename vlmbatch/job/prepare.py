@@ -17,7 +17,9 @@ from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import RowError
 from vlmbatch.job.rows import RowRequest, parse_row
 from vlmbatch.media.loader import MediaLoader
-from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+from vlmbatch.media.types import EncodedImage
+from vlmbatch.families.adapter import ModelAdapter
+from vlmbatch.families.prompt import PreparedPrompt
 
 
 @dataclass
@@ -52,7 +54,7 @@ def prepare_row(
     """Everything one row needs before the engine; errors are captured, not raised.
 
     `check_only` (dry-run) validates without building pixel tensors; `defer_jpegs` leaves
-    JPEG decoding to the engine (`media.gpu_batch`).
+    JPEG decoding to the engine (`engine.gpu_images`).
     """
     item = PreparedRow(row_id=row_id, raw=raw)
     try:
@@ -81,7 +83,7 @@ def build_prompt(
     prompt = request.prompt
     image_refs, video_refs = list(request.image_refs), list(request.video_refs)
     if request.messages is not None:
-        from vlmbatch.engine.chat import parse_chat_messages
+        from vlmbatch.chat import parse_chat_messages
 
         messages, message_images, message_videos = parse_chat_messages(request.messages)
         if adapter is not None:
@@ -90,7 +92,7 @@ def build_prompt(
         image_refs = image_refs + message_images
         video_refs = video_refs + message_videos
     if defer_jpegs and adapter is not None and image_refs and not video_refs and not check_only:
-        return _prepare_pending(prompt or "", image_refs, adapter, media, request.sampling.max_tokens)
+        return _prepare_encoded(prompt or "", image_refs, adapter, media, request.sampling.max_tokens)
     load_image = media.image_size if check_only else media.image
     images = [load_image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
     videos = [media.video(ref, f"video[{i}]", request.media_io_kwargs) for i, ref in enumerate(video_refs)]
@@ -102,20 +104,18 @@ def build_prompt(
     return adapter.prepare(prompt or "", images, videos, max_tokens=request.sampling.max_tokens)
 
 
-def _prepare_pending(
+def _prepare_encoded(
     prompt: str, image_refs: list[Any], adapter: ModelAdapter, media: MediaLoader, max_tokens: int
 ) -> PreparedPrompt:
-    """Pending JPEGs when every image is one; otherwise the CPU path, from the bytes already read."""
-    from vlmbatch.media.gpu_batch import PendingJpeg, load_image_or_jpeg
+    """Encoded JPEGs for the engine when every image is one; otherwise the CPU path, from the bytes already read."""
+    from vlmbatch.media.gpu_image import load_encoded_or_image
     from vlmbatch.media.image import load_image
 
-    loaded = [
-        load_image_or_jpeg(ref, media.image_context, adapter.model_path, f"image[{i}]") for i, ref in enumerate(image_refs)
-    ]
-    if all(isinstance(image, PendingJpeg) for image in loaded):
-        return adapter.prepare_pending(prompt, loaded, max_tokens=max_tokens)
+    loaded = [load_encoded_or_image(ref, media.image_context, f"image[{i}]") for i, ref in enumerate(image_refs)]
+    if all(isinstance(image, EncodedImage) for image in loaded):
+        return adapter.prepare_encoded(prompt, loaded, max_tokens=max_tokens)
     images = [
-        load_image(image.data, media.image_context, f"image[{i}]") if isinstance(image, PendingJpeg) else image
+        load_image(image.data, media.image_context, f"image[{i}]") if isinstance(image, EncodedImage) else image
         for i, image in enumerate(loaded)
     ]
     return adapter.prepare(prompt, images, [], max_tokens=max_tokens)

@@ -29,7 +29,7 @@ from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.job.pool import AdapterSpec, RowPreparer, prepare_rows_parallel
-from vlmbatch.media.gpu_batch import defer_jpegs_for
+from vlmbatch.engine.gpu_images import defers_image_decoding
 from vlmbatch.job.prepare import PreparedRow
 from vlmbatch.job.rows import RowRequest
 
@@ -181,7 +181,7 @@ def run_shard(
     defaults = SamplingParams(**manifest.sampling)
     adapter = llm.adapter if llm is not None else None
     spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
-    defer = llm is not None and defer_jpegs_for(llm.engine, manifest.extra.get("gpu_image_decode"))  # media/gpu_batch.py
+    defer = llm is not None and defers_image_decoding(llm.engine, image_decode_mode(manifest, llm.engine))
     prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter, defer_jpegs=defer,
                                      pixel_dtype=pixel_dtype(llm), preparer=preparer)
 
@@ -217,6 +217,11 @@ def run_shard(
         outcome.part_path = write_part(job_dir, shard_id, manifest.num_shards, outcome.rows)
         outcome.rows = []
     return outcome
+
+
+def image_decode_mode(manifest: Any, engine: Any) -> str:
+    """A job's own `submit --gpu-image-decode` wins over the engine's configuration."""
+    return manifest.extra.get("gpu_image_decode") or engine.config.gpu_image_decode
 
 
 def pixel_dtype(llm: Any | None) -> str | None:
@@ -301,7 +306,7 @@ def _generate(
             if item.error is not None:
                 record(factory.failed(item, item.error), False)
                 continue
-            media_bytes = device_media_bytes(item.prepared.mm_inputs if item.prepared is not None else {})
+            media_bytes = item.prepared.device_media_bytes if item.prepared is not None else 0
             if not budget.admits(media_bytes):
                 held_back = item
                 break
@@ -333,11 +338,6 @@ def _generate(
                 for request_id in list(inflight):
                     engine.abort_request(request_id)
                 return False
-
-
-def device_media_bytes(mm_inputs: dict[str, Any]) -> int:
-    """Bytes of a prompt's media tensors that are not in host memory (GPU decoders' frames)."""
-    return sum(v.numel() * v.element_size() for v in mm_inputs.values() if getattr(getattr(v, "device", None), "type", "cpu") != "cpu")
 
 
 @dataclass

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from vlmbatch.errors import RowError
-from vlmbatch.media.image import MediaContext, load_image
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.media.image import MediaContext, load_image, opened_image
+from vlmbatch.media.refs import resolve_media
+from vlmbatch.media.types import EncodedImage
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 # How far the GPU path's processor outputs may be from the CPU path's (normalised units,
@@ -94,7 +97,7 @@ def preprocess_images(
     the `RowError` of an image neither path can load).
 
     Each dict is what the processor returns for that image alone (`pixel_values`, and
-    `image_grid_thw` for Qwen), so it drops into a `PreparedPrompt.mm_inputs`.
+    `image_grid_thw` for Qwen): a media item's tensors.
     """
     images: list[torch.Tensor | RowError | None] = list(decode_jpegs(datas, device))
     for index, image in enumerate(images):
@@ -117,3 +120,25 @@ def _split_per_image(processed: Any) -> list[dict[str, torch.Tensor]]:
         return [{"pixel_values": pixel_values[i : i + 1]} for i in range(len(pixel_values))]
     patches = pixel_values.split(grids.prod(dim=-1).tolist())
     return [{"pixel_values": p, "image_grid_thw": grids[i : i + 1]} for i, p in enumerate(patches)]
+
+
+def load_encoded_or_image(ref: Any, ctx: MediaContext, param: str = "image") -> EncodedImage | Image.Image:
+    """An `EncodedImage` for a GPU-decodable JPEG, else the CPU path's PIL image (from the
+    same bytes, so a URL is fetched once). Both raise the CPU path's `RowError`s for bad files.
+
+    A deferred JPEG is still validated cheaply: a 1/8-scale PIL draft decode parses all the
+    entropy data, so corrupt and truncated files fail as this row's `media_decode_error`,
+    while the IDCT and colour work (most of a decode's CPU time) is skipped.
+    """
+    source = resolve_media(ref, ctx, "image", param)
+    try:
+        data = source.data if source.data is not None else Path(source.path or "").read_bytes()
+    except OSError as exc:
+        raise RowError(ErrorType.MEDIA_NOT_FOUND, f"cannot read image {source.name}: {exc}", param) from exc
+    if not gpu_decodable(data):
+        return load_image(data, ctx, param)
+    with opened_image(io.BytesIO(data), source.name, ctx, param) as image:
+        width, height = image.size
+        image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
+        image.load()
+    return EncodedImage(data, width, height)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,3 +29,18 @@ class VideoFrames:
     @property
     def num_frames(self) -> int:
         return len(self.timestamps)
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """A validated JPEG whose decoding is left to the engine (nvJPEG on its GPU), with its
+    upright size: the prompt's tokens were counted from it before the pixels exist."""
+
+    data: bytes
+    width: int
+    height: int
+
+    @property
+    def content_hash(self) -> str:
+        """Keyed on the encoded bytes (the pixels are not known yet); encoder caches use it."""
+        return "jpeg:" + hashlib.blake2b(self.data, digest_size=16).hexdigest()

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmbatch.engine.base import Engine
 from vlmbatch.errors import JobError, RowError
-from vlmbatch.models.base import ModelAdapter
+from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.server.async_engine import AsyncEngine
 from vlmbatch.server.completions import ChatCompletions
 from vlmbatch.server.errors import APIError, install_error_handlers

@@ -22,7 +22,7 @@ from vlmbatch.engine.base import Engine
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.models.base import PreparedPrompt
+from vlmbatch.families.prompt import PreparedPrompt
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from vlmbatch.engine.chat import parse_chat_messages
+from vlmbatch.chat import parse_chat_messages
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import RowError
-from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+from vlmbatch.families.adapter import ModelAdapter
+from vlmbatch.families.prompt import PreparedPrompt
 from vlmbatch.server.async_engine import AsyncEngine
 from vlmbatch.server.errors import APIError
 from vlmbatch.server.media import ServerMedia, media_part_params

@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI-compatible API (the subset `vlmbatch serve` speaks).
 
-`messages` stays a list of plain dicts here on purpose: `vlmbatch.engine.chat.parse_chat_messages`
+`messages` stays a list of plain dicts here on purpose: `vlmbatch.chat.parse_chat_messages`
 validates message parts for batch jobs and the server alike, and names the faulty part in
 its error, so the two entry points cannot drift apart.
 """

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vlmbatch.engine.stopping import stop_holdback
+
 _INCOMPLETE_CHAR = "\ufffd"
 
 
@@ -18,7 +20,7 @@ class DeltaTracker:
     """Per-choice memory of what was already sent."""
 
     def __init__(self, stop: tuple[str, ...] = ()):
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._holdback = stop_holdback(stop)
         self.sent = ""
 
     def next_delta(self, text: str, finished: bool) -> str:

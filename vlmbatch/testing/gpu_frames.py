@@ -33,14 +33,15 @@ def compare_on_device(adapter: Any, video: VideoFrames, device: str | torch.devi
     host = frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
     reference = adapter.prepare(VIDEO_PROMPT, videos=[replace(video, frames=host)])
     on_device = adapter.prepare(VIDEO_PROMPT, videos=[replace(video, frames=torch.from_numpy(host).to(device))])
-    pixels = on_device.mm_inputs["pixel_values_videos"]
-    diff = (pixels.float().cpu() - reference.mm_inputs["pixel_values_videos"].float()).abs()
+    ours, theirs = on_device.media[0], reference.media[0]
+    pixels = ours.tensors["pixel_values_videos"]
+    diff = (pixels.float().cpu() - theirs.tensors["pixel_values_videos"].float()).abs()
     return {
         "device": str(pixels.device),
         "frames": list(host.shape),
         "tokens_equal": on_device.prompt_token_ids == reference.prompt_token_ids,
-        "grid_equal": torch.equal(on_device.mm_inputs["video_grid_thw"].cpu(), reference.mm_inputs["video_grid_thw"]),
-        "hash_equal": on_device.mm_hashes == reference.mm_hashes,
+        "grid_equal": torch.equal(ours.tensors["video_grid_thw"].cpu(), theirs.tensors["video_grid_thw"]),
+        "hash_equal": ours.content_hash == theirs.content_hash,
         "max_abs_diff": float(diff.max()),
         "mean_abs_diff": float(diff.mean()),
     }

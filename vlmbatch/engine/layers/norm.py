@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """`kernel`: a fused add+norm with the same rounding (`KernelSet.rms_norm`), or None for PyTorch."""
+
+    def __init__(self, hidden_size: int, eps: float, kernel: Callable | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.kernel: Callable | None = None  # fused add+norm with the same rounding (`vlmbatch.kernels.rms_norm`)
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the decoder keeps the sum as the next residual."""

@@ -8,29 +8,16 @@ and gate/up fused into one matmul each.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
+from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.linear import Linear
 from vlmbatch.engine.layers.norm import RMSNorm
-from vlmbatch.engine.layers.rotary import RotaryEmbedding, apply_rotary
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`gate_up` [..., 2 * n] -> silu(gate) * up, [..., n]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _fused_silu_and_mul() -> Callable:
-    from vlmbatch.engine.layers.activation import fused_silu_and_mul  # Triton: imported only with the kernels
-
-    return fused_silu_and_mul
-
+from vlmbatch.engine.layers.rotary import RotaryEmbedding
 
 # Where the skinny-GEMM kernel beat cuBLAS on the H200 (`vlmbatch bench kernels --sections
 # linear`, BENCHMARKS.md): the MLP's gate/up and the LM head, up to 16 rows, with these
@@ -41,29 +28,15 @@ GATE_UP_LAUNCH = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3
 LM_HEAD_LAUNCH = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5}
 
 
-def use_kernels_in(root: nn.Module, kernels: Any | None, attention_types: tuple[type, ...], mlp_types: tuple[type, ...]) -> None:
-    """Every RMSNorm, attention (its rotary), gated MLP (its SiLU·mul) and few-row linear
-    product under `root` through the kernels of `vlmbatch.kernels`, or plain torch (None)."""
-    for module in root.modules():
-        if isinstance(module, Linear):
-            module.use_kernel(kernels)
-        if isinstance(module, RMSNorm):
-            module.kernel = kernels.rms_norm if kernels is not None else None
-        elif isinstance(module, attention_types):
-            module.rotary = kernels.apply_rotary if kernels is not None else apply_rotary
-        elif isinstance(module, mlp_types):
-            module.act = _fused_silu_and_mul() if kernels is not None else silu_and_mul
-
-
 class Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, kernels: KernelSet):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias, skinny=kernels.skinny())
+        self.o_proj = Linear(self.q_size, hidden, bias=False, skinny=kernels.skinny())
         self.scale = head_dim**-0.5
-        self.rotary: Callable = apply_rotary  # or the fused kernel (`use_kernels`)
+        self.rotary: Callable = kernels.rotary
 
     def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -80,23 +53,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, kernels: KernelSet):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, skinny_rows=SKINNY_ROWS, skinny_launch=GATE_UP_LAUNCH)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.act: Callable = silu_and_mul  # or the fused kernel (`use_kernels`)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, skinny=kernels.skinny(SKINNY_ROWS, GATE_UP_LAUNCH))
+        self.down_proj = Linear(intermediate, hidden, bias=False, skinny=kernels.skinny())
+        self.act: Callable = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, bias: bool):
+    def __init__(self, cfg, head_dim: int, bias: bool, kernels: KernelSet):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, bias)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, bias, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, kernels)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
         h, residual = self.input_layernorm(x, residual)
@@ -108,7 +81,7 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Token embeddings, decoder layers, final norm and LM head."""
 
-    def __init__(self, text_config, rotary: RotaryEmbedding, bias: bool):
+    def __init__(self, text_config, rotary: RotaryEmbedding, bias: bool, kernels: KernelSet):
         super().__init__()
         cfg = text_config
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -116,9 +89,9 @@ class Decoder(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.head_dim, bias) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, skinny_rows=SKINNY_ROWS, skinny_launch=LM_HEAD_LAUNCH)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.head_dim, bias, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, skinny=kernels.skinny(SKINNY_ROWS, LM_HEAD_LAUNCH))
         self.rotary = rotary
 
     @torch.no_grad()
@@ -137,11 +110,6 @@ class Decoder(nn.Module):
             ours.self_attn.o_proj.weight.copy_(a.o_proj.weight)
             ours.mlp.gate_up_proj.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
             ours.mlp.down_proj.weight.copy_(m.down_proj.weight)
-
-    def use_kernels(self, kernels: Any | None) -> None:
-        """Run norms and rotary through fused kernels (`vlmbatch.kernels`), or plain torch
-        (None): fewer launches per layer matters most in small-batch decode."""
-        use_kernels_in(self, kernels, (Attention,), (MLP,))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of a flat batch of tokens."""

@@ -1,6 +1,6 @@
-"""JPEGs deferred to the engine (vlmbatch/media/gpu_batch.py): prompts built from the header
+"""JPEGs deferred to the engine (vlmbatch/engine/gpu_images.py): prompts built from the header
 size carry exactly the CPU path's token ids and grids, bad files still fail at preparation,
-the engine turns pending items into the CPU path's tensors and the same tokens, and the
+the engine turns encoded items into the CPU path's tensors and the same tokens, and the
 setting is refused where it cannot run.
 
 The engine side runs on the CPU here (torchvision's CPU JPEG decoder stands in for nvJPEG
@@ -18,21 +18,18 @@ import pytest
 import torch
 from PIL import Image
 
+from vlmbatch.config import EngineConfig
+from vlmbatch.engine.gpu_images import EncodedImageDecoder, defers_image_decoding
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, JobError
+from vlmbatch.families.prompt import PreparedPrompt, collate
+from vlmbatch.families.registry import load_adapter
 from vlmbatch.io.readers import ColumnMap
 from vlmbatch.job.prepare import media_loader_for, prepare_row
-from vlmbatch.media.gpu_batch import (
-    PENDING_KEY,
-    PendingJpeg,
-    defer_jpegs_for,
-    gpu_image_decode_mode,
-    materialize_prompt_inputs,
-)
 from vlmbatch.media.gpu_image import GPU_MAX_ABS_DIFF, GPU_MEAN_ABS_DIFF
 from vlmbatch.media.image import load_image
-from vlmbatch.models.registry import load_adapter
+from vlmbatch.media.types import EncodedImage
 from vlmbatch.testing.data import encode_image, exif_rotated_jpeg, image_bytes, make_image, truncated_image_bytes
 
 # Odd sizes included: smart_resize rounds each side to the patch*merge factor and scales to the bounds.
@@ -62,9 +59,21 @@ def _smooth_jpeg(size: tuple[int, int], seed: int = 0) -> bytes:
     return encode_image(Image.fromarray(pixels), "JPEG", quality=95, subsampling=0)
 
 
-def _pending(adapter, data: bytes) -> PendingJpeg:
+def _encoded(data: bytes) -> EncodedImage:
     with Image.open(io.BytesIO(data)) as image:
-        return PendingJpeg(data, image.width, image.height, adapter.model_path)
+        return EncodedImage(data, image.width, image.height)
+
+
+def _is_encoded(prompt: PreparedPrompt) -> bool:
+    return bool(prompt.media) and all(item.encoded is not None for item in prompt.media)
+
+
+def _grids(prompt: PreparedPrompt) -> list:
+    return [item.tensors["image_grid_thw"].tolist() for item in prompt.media if "image_grid_thw" in item.tensors]
+
+
+def _decoded(adapter, prompt: PreparedPrompt, device: str) -> dict[str, torch.Tensor]:
+    return collate(EncodedImageDecoder(adapter.model_path, torch.device(device)).decode(prompt.media))
 
 
 def _row(tmp_path: Path, arch: str, adapter, images: list[bytes], defer: bool = True):
@@ -79,24 +88,23 @@ def test_header_size_tokenisation_equals_the_cpu_path(arch: str, tiny_model_dir)
     datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES)] + [_jpeg((50, 70), 9, mode="L")]
     for data in datas:
         cpu = adapter.prepare(PROMPTS[arch](1), [load_image(data)], max_tokens=4)
-        deferred = adapter.prepare_pending(PROMPTS[arch](1), [_pending(adapter, data)], max_tokens=4)
+        deferred = adapter.prepare_encoded(PROMPTS[arch](1), [_encoded(data)], max_tokens=4)
         assert deferred.prompt_token_ids == cpu.prompt_token_ids
-        if "image_grid_thw" in cpu.mm_inputs:
-            assert deferred.mm_inputs["image_grid_thw"].tolist() == cpu.mm_inputs["image_grid_thw"].tolist()
-    several = [_pending(adapter, d) for d in datas[:3]]
+        assert _grids(deferred) == _grids(cpu)
+        assert [i.num_tokens for i in deferred.media] == [i.num_tokens for i in cpu.media]
+    several = [_encoded(d) for d in datas[:3]]
     cpu = adapter.prepare(PROMPTS[arch](3), [load_image(p.data) for p in several], max_tokens=4)
-    assert adapter.prepare_pending(PROMPTS[arch](3), several, max_tokens=4).prompt_token_ids == cpu.prompt_token_ids
+    assert adapter.prepare_encoded(PROMPTS[arch](3), several, max_tokens=4).prompt_token_ids == cpu.prompt_token_ids
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
-def test_pending_inputs_become_the_cpu_path_tensors(arch: str, tiny_model_dir) -> None:
+def test_encoded_items_decode_to_the_cpu_path_tensors(arch: str, tiny_model_dir) -> None:
     adapter = load_adapter(str(tiny_model_dir(arch)))
     datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES[:4])]
-    cpu = adapter.prepare(PROMPTS[arch](4), [load_image(d) for d in datas])
-    pending = adapter.prepare_pending(PROMPTS[arch](4), [_pending(adapter, d) for d in datas])
-    materialised = materialize_prompt_inputs(pending.mm_inputs, "cpu")
-    assert sorted(materialised) == sorted(cpu.mm_inputs)
-    diff = (materialised["pixel_values"] - cpu.mm_inputs["pixel_values"]).abs()
+    cpu = collate(adapter.prepare(PROMPTS[arch](4), [load_image(d) for d in datas]).media)
+    decoded = _decoded(adapter, adapter.prepare_encoded(PROMPTS[arch](4), [_encoded(d) for d in datas]), "cpu")
+    assert sorted(decoded) == sorted(cpu)
+    diff = (decoded["pixel_values"] - cpu["pixel_values"]).abs()
     assert diff.max() <= GPU_MAX_ABS_DIFF and diff.mean() <= GPU_MEAN_ABS_DIFF
 
 
@@ -104,12 +112,11 @@ def test_pending_inputs_become_the_cpu_path_tensors(arch: str, tiny_model_dir) -
 def test_rows_defer_only_plain_jpegs(arch: str, tiny_model_dir, tmp_path: Path) -> None:
     adapter = load_adapter(str(tiny_model_dir(arch)))
     jpeg, png = _jpeg((64, 48)), image_bytes(64, 48, fmt="PNG")
-    assert PENDING_KEY in _row(tmp_path, arch, adapter, [jpeg, jpeg]).prepared.mm_inputs
-    assert PENDING_KEY not in _row(tmp_path, arch, adapter, [jpeg], defer=False).prepared.mm_inputs
+    assert _is_encoded(_row(tmp_path, arch, adapter, [jpeg, jpeg]).prepared)
+    assert not _is_encoded(_row(tmp_path, arch, adapter, [jpeg], defer=False).prepared)
     for images in ([png], [jpeg, png], [exif_rotated_jpeg(64, 32)]):  # any non-plain image: the whole row on the CPU
         item = _row(tmp_path, arch, adapter, images)
-        assert item.error is None and "pixel_values" in item.prepared.mm_inputs
-        assert PENDING_KEY not in item.prepared.mm_inputs
+        assert item.error is None and all("pixel_values" in i.tensors and i.encoded is None for i in item.prepared.media)
 
 
 @pytest.mark.parametrize("bad", ["truncated", "corrupt_scan", "too_large"])
@@ -129,7 +136,7 @@ def test_bad_jpegs_fail_at_preparation(bad: str, tiny_qwen: Path, tmp_path: Path
     assert cpu.error is not None and cpu.error.error_type == expected
 
 
-def test_pool_workers_pass_pending_jpegs_and_row_errors(tiny_qwen: Path, tmp_path: Path) -> None:
+def test_pool_workers_pass_encoded_jpegs_and_row_errors(tiny_qwen: Path, tmp_path: Path) -> None:
     """Through real worker processes: same ids and grids as the CPU path, bytes instead of pixels."""
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.readers import open_dataset
@@ -143,27 +150,26 @@ def test_pool_workers_pass_pending_jpegs_and_row_errors(tiny_qwen: Path, tmp_pat
     rows = [row for batch in reader.iter_rows() for row in batch]
     spec, defaults = AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4)
     cpu = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=0)}
-    pending = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=2, defer_jpegs=True)}
-    assert sorted(pending) == sorted(cpu)
-    assert pending[2].error is not None and pending[2].error.error_type == cpu[2].error.error_type == ErrorType.MEDIA_DECODE
-    for row_id, item in pending.items():
+    encoded = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=2, defer_jpegs=True)}
+    assert sorted(encoded) == sorted(cpu)
+    assert encoded[2].error is not None and encoded[2].error.error_type == cpu[2].error.error_type == ErrorType.MEDIA_DECODE
+    for row_id, item in encoded.items():
         if row_id != 2:
             assert item.prepared.prompt_token_ids == cpu[row_id].prepared.prompt_token_ids
-            assert PENDING_KEY in item.prepared.mm_inputs
-            assert item.prepared.mm_inputs["image_grid_thw"].tolist() == cpu[row_id].prepared.mm_inputs["image_grid_thw"].tolist()
+            assert _is_encoded(item.prepared)
+            assert _grids(item.prepared) == _grids(cpu[row_id].prepared)
 
 
-def test_the_setting(tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_setting(tiny_qwen: Path) -> None:
     adapter = load_adapter(str(tiny_qwen))
-    engine = PagedEngine(adapter, str(tiny_qwen), dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
-    assert gpu_image_decode_mode() == "auto"
-    assert not defer_jpegs_for(engine)  # auto: the CPU engine keeps the CPU path
-    assert not defer_jpegs_for(engine, "off")
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=16, block_size=4))
+    assert engine.config.gpu_image_decode == "auto" and not engine.decodes_images_on_gpu
+    assert not defers_image_decoding(engine, "auto")  # auto: the CPU engine keeps the CPU path
+    assert not defers_image_decoding(engine, "off")
     with pytest.raises(JobError, match="needs the paged engine on a CUDA device"):
-        defer_jpegs_for(engine, "on")
-    monkeypatch.setenv("VLMBATCH_GPU_IMAGE_DECODE", "sometimes")
+        defers_image_decoding(engine, "on")
     with pytest.raises(JobError, match="auto, on, off"):
-        gpu_image_decode_mode()
+        EngineConfig.from_env({"VLMBATCH_GPU_IMAGE_DECODE": "sometimes"})
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -203,29 +209,29 @@ def _greedy(engine: Any, prompts: dict) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
-def test_engine_decodes_pending_images_to_the_same_tokens(arch: str, tiny_model_dir) -> None:
+def test_engine_decodes_encoded_images_to_the_same_tokens(arch: str, tiny_model_dir) -> None:
     path = str(tiny_model_dir(arch))
     adapter = load_adapter(path)
     datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES[:4])]
     rows = [[datas[0]], [datas[1], datas[2]], [datas[0]], [datas[3]]]  # a repeated image
-    engines = [PagedEngine(adapter, path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4) for _ in range(2)]
+    engines = [PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)) for _ in range(2)]
     cpu = _greedy(engines[0], {str(i): adapter.prepare(PROMPTS[arch](len(r)), [load_image(d) for d in r]) for i, r in enumerate(rows)})
-    pending = {str(i): adapter.prepare_pending(PROMPTS[arch](len(r)), [_pending(adapter, d) for d in r]) for i, r in enumerate(rows)}
-    assert _greedy(engines[1], pending) == cpu
+    encoded = {str(i): adapter.prepare_encoded(PROMPTS[arch](len(r)), [_encoded(d) for d in r]) for i, r in enumerate(rows)}
+    assert _greedy(engines[1], encoded) == cpu
     assert engines[1].model.num_encoded_items == engines[0].model.num_encoded_items == 4  # the repeat is encoded once
-    assert all(PENDING_KEY in p.mm_inputs for p in pending.values())  # the prompts keep bytes, not pixels
+    assert all(_is_encoded(p) for p in encoded.values())  # the prompts keep bytes, not pixels
 
 
-def test_the_reference_engine_decodes_pending_prompts_it_is_given(tiny_qwen: Path) -> None:
+def test_the_reference_engine_decodes_encoded_prompts_it_is_given(tiny_qwen: Path) -> None:
     """Jobs never defer JPEGs for `--engine hf`, but a prompt built that way still works there."""
     from vlmbatch.engine.hf import HFEngine
 
     adapter = load_adapter(str(tiny_qwen))
-    engine = HFEngine(adapter, dtype="float32", device="cpu")
+    engine = HFEngine(adapter, EngineConfig(dtype="float32", device="cpu"))
     datas = [_smooth_jpeg(size, seed) for seed, size in enumerate(SIZES[:3])]
     cpu = {str(i): adapter.prepare(PROMPTS["qwen2_5_vl"](1), [load_image(d)]) for i, d in enumerate(datas)}
-    pending = {str(i): adapter.prepare_pending(PROMPTS["qwen2_5_vl"](1), [_pending(adapter, d)]) for i, d in enumerate(datas)}
-    mixed = {"0": pending["0"], "1": cpu["1"], "2": pending["2"]}  # one batch of both kinds
+    encoded = {str(i): adapter.prepare_encoded(PROMPTS["qwen2_5_vl"](1), [_encoded(d)]) for i, d in enumerate(datas)}
+    mixed = {"0": encoded["0"], "1": cpu["1"], "2": encoded["2"]}  # one batch of both kinds
     assert _greedy(engine, mixed) == _greedy(engine, cpu)
 
 
@@ -239,14 +245,14 @@ def test_nvjpeg_path_matches_the_cpu_path_end_to_end(arch: str, tiny_model_dir) 
     # upsample chroma differently), which test_gpu_image's photo-like images do not show.
     datas = [_smooth_jpeg(size, seed) for seed, size in enumerate(SIZES)]
     for data in datas:
-        cpu = adapter.prepare(PROMPTS[arch](1), [load_image(data)])
-        on_gpu = materialize_prompt_inputs(adapter.prepare_pending(PROMPTS[arch](1), [_pending(adapter, data)]).mm_inputs, "cuda")
-        diff = (on_gpu["pixel_values"].cpu() - cpu.mm_inputs["pixel_values"]).abs()
+        cpu = collate(adapter.prepare(PROMPTS[arch](1), [load_image(data)]).media)
+        on_gpu = _decoded(adapter, adapter.prepare_encoded(PROMPTS[arch](1), [_encoded(data)]), "cuda")
+        diff = (on_gpu["pixel_values"].cpu() - cpu["pixel_values"]).abs()
         assert diff.max() <= GPU_MAX_ABS_DIFF and diff.mean() <= GPU_MEAN_ABS_DIFF
-    engines = [PagedEngine(adapter, path, dtype="float32", device="cuda", num_kv_blocks=64, block_size=16) for _ in range(2)]
+    engines = [PagedEngine(adapter, EngineConfig(dtype="float32", device="cuda", num_kv_blocks=64, block_size=16)) for _ in range(2)]
     cpu_prompts = {str(i): adapter.prepare(PROMPTS[arch](1), [load_image(d)]) for i, d in enumerate(datas)}
-    gpu_prompts = {str(i): adapter.prepare_pending(PROMPTS[arch](1), [_pending(adapter, d)]) for i, d in enumerate(datas)}
-    assert defer_jpegs_for(engines[1], "on")
+    gpu_prompts = {str(i): adapter.prepare_encoded(PROMPTS[arch](1), [_encoded(d)]) for i, d in enumerate(datas)}
+    assert defers_image_decoding(engines[1], "on")
     assert _greedy(engines[1], gpu_prompts) == _greedy(engines[0], cpu_prompts)
     torch.cuda.synchronize()
 
@@ -263,7 +269,7 @@ def _job_results(model: Path, tmp_path: Path, device: str, modes: tuple[str, ...
     images[3] = corrupt_image_bytes()
     dataset = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"prompt": [PROMPTS["qwen2_5_vl"](1)] * 12, "image": images}), dataset)
-    llm = jobs.load_llm(str(model), engine="paged", dtype="float32", device=device)
+    llm = jobs.load_llm(str(model), EngineConfig(engine="paged", dtype="float32", device=device))
     results = {}
     for mode in modes:
         manifest, job_dir = jobs.plan_job(dataset, str(model), tmp_path / mode, sampling=SamplingParams(max_tokens=8, temperature=0.0), shard_size=5)

@@ -3,7 +3,8 @@
 Going through the checkpoint's processor (not a re-implementation) is what makes our token
 ids and pixel tensors identical to what `transformers` feeds the model, so the reference
 engine matches `generate()` exactly and the fast engine can be checked against it. Each
-family only declares its placeholders and how it passes videos.
+family only declares its placeholders, how it passes videos and how its processor batch
+splits into media items.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import numpy as np
 import torch
 
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.media.types import VideoFrames
-from vlmbatch.models.base import ModelAdapter, PreparedPrompt
+from vlmbatch.families.adapter import ModelAdapter
+from vlmbatch.families.prompt import MediaItem, PreparedPrompt
+from vlmbatch.media.image import content_hash
+from vlmbatch.media.types import EncodedImage, VideoFrames
 
 # Processor outputs that are per token, not per image: engines rebuild them from the ids.
 _PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
@@ -35,8 +38,6 @@ def media_hash(media: Any) -> str:
     pixels (burnt-in captions, a small moving object on a fixed camera), and a float
     reduction on the device changes with the reduction order."""
     if not isinstance(media, VideoFrames):
-        from vlmbatch.media.image import content_hash
-
         return content_hash(media)
     frames = media.frames
     pixels = frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
@@ -46,7 +47,8 @@ def media_hash(media: Any) -> str:
 
 
 class ProcessorAdapter(ModelAdapter):
-    """A `ModelAdapter` over an HF processor; subclasses set the placeholders below."""
+    """A `ModelAdapter` over an HF processor; subclasses set the placeholders below and say
+    how the processor's batch splits into one `MediaItem` per image or video."""
 
     image_placeholder: str  # what a raw prompt must contain once per image
     video_placeholder: str | None = None
@@ -97,7 +99,7 @@ class ProcessorAdapter(ModelAdapter):
         return types
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        from vlmbatch.engine.chat import parse_chat_messages
+        from vlmbatch.chat import parse_chat_messages
 
         template_messages, _, _ = parse_chat_messages(messages)
         if not getattr(self.processor, "chat_template", None):
@@ -136,7 +138,7 @@ class ProcessorAdapter(ModelAdapter):
         if not isinstance(prompt, str) or not prompt.strip():
             raise RowError(ErrorType.PROMPT_EMPTY, "the prompt is empty", param="prompt")
         if videos and not self.supports_video:
-            raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"{self.family} models do not accept videos", param="video")
+            raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"{self.family.name} models do not accept videos", param="video")
         self._check_placeholders(prompt, self.image_token, self.image_placeholder, len(images), "image")
         self._check_placeholders(prompt, self.video_token, self.video_placeholder, len(videos), "video")
 
@@ -184,29 +186,30 @@ class ProcessorAdapter(ModelAdapter):
             cache[(height, width)] = counts[0]
         return cache[(height, width)]
 
-    def prepare_pending(self, prompt: str, jpegs: list[Any], max_tokens: int = 0) -> PreparedPrompt:
-        """`prepare` for images the engine will decode (`media.gpu_batch.PendingJpeg`): the
-        same token ids, counted from each image's size through the processor's own formula
-        and expanded as the processor expands them; `mm_inputs` carries the bytes and the
-        grids instead of pixels."""
-        from vlmbatch.media.gpu_batch import PENDING_KEY
-
-        self._validate(prompt, jpegs, [])
-        counts = iter(self._image_tokens(j.height, j.width) for j in jpegs)
+    def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
+        """`prepare` for images the engine will decode: the same token ids, counted from each
+        image's size through the processor's own formula and expanded as the processor
+        expands them; each item carries its bytes and what the engine needs before the
+        pixels exist (`_encoded_tensors`)."""
+        self._validate(prompt, images, [])
+        counts = [self._image_tokens(image.height, image.width) for image in images]
         pieces = prompt.split(self.image_token)
-        expanded = pieces[0] + "".join(self.image_token * next(counts) + piece for piece in pieces[1:])
+        expanded = pieces[0] + "".join(self.image_token * count + piece for count, piece in zip(counts, pieces[1:]))
         token_ids: list[int] = self.tokenizer([expanded])["input_ids"][0]
         self._check_length(len(token_ids), max_tokens)
-        return PreparedPrompt(
-            prompt_token_ids=list(token_ids),
-            mm_inputs={PENDING_KEY: list(jpegs), **self._pending_image_inputs(jpegs)},
-            prompt=prompt,
-            mm_hashes=[j.content_hash for j in jpegs],
-        )
+        media = [
+            MediaItem("image", self._encoded_tensors(image), count, image.content_hash, encoded=image)
+            for image, count in zip(images, counts)
+        ]
+        return PreparedPrompt(prompt_token_ids=list(token_ids), media=media, prompt=prompt)
 
-    def _pending_image_inputs(self, jpegs: list[Any]) -> dict[str, torch.Tensor]:
-        """Processor outputs the engine needs before the pixels exist (Qwen: `image_grid_thw`)."""
+    def _encoded_tensors(self, image: EncodedImage) -> dict[str, torch.Tensor]:
+        """Processor outputs the engine needs before an encoded image's pixels exist (Qwen: its grid)."""
         return {}
+
+    def media_items(self, processed: dict[str, torch.Tensor], hashes: list[str]) -> list[MediaItem]:
+        """The processor's batch as one item per image, then per video, each in prompt order."""
+        raise NotImplementedError
 
     def prepare(
         self,
@@ -225,14 +228,10 @@ class ProcessorAdapter(ModelAdapter):
             raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"the processor rejected the media: {exc}") from exc
         token_ids: list[int] = processed["input_ids"][0].tolist()
         self._check_length(len(token_ids), max_tokens)
-        mm_inputs = {
+        tensors = {
             key: value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
             for key, value in processed.items()
             if key not in _PER_TOKEN_KEYS
         }
-        return PreparedPrompt(
-            prompt_token_ids=token_ids,
-            mm_inputs=mm_inputs,
-            prompt=prompt,
-            mm_hashes=[media_hash(m) for m in [*images, *videos]],
-        )
+        media = self.media_items(tensors, [media_hash(m) for m in [*images, *videos]]) if images or videos else []
+        return PreparedPrompt(prompt_token_ids=token_ids, media=media, prompt=prompt)

@@ -9,10 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmbatch.engine.chat import parse_chat_messages
+from vlmbatch.chat import parse_chat_messages
 from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.media.types import VideoFrames
-from vlmbatch.models.registry import load_adapter, model_family
+from vlmbatch.families.prompt import collate
+from vlmbatch.families.registry import load_adapter, model_family
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -50,9 +51,9 @@ def _error(fn, *args, **kwargs) -> RowError:
 
 
 def test_registry_picks_the_family(qwen, llava, tiny_qwen2):
-    assert qwen.family == "qwen2_5_vl" and qwen.supports_video
-    assert llava.family == "llava" and not llava.supports_video
-    assert model_family(str(tiny_qwen2)) == "qwen2_vl"
+    assert qwen.family.name == "qwen2_5_vl" and qwen.supports_video
+    assert llava.family.name == "llava" and not llava.supports_video
+    assert model_family(str(tiny_qwen2)).name == "qwen2_vl"
     vocab = qwen.tokenizer.get_vocab()
     assert qwen.eos_token_ids == sorted({vocab["<|im_end|>"], vocab["<|endoftext|>"]})
     assert llava.eos_token_ids == [llava.tokenizer.convert_tokens_to_ids("</s>")]
@@ -106,26 +107,32 @@ def test_video_on_llava_is_unsupported(llava):
 
 def test_qwen_video_uses_the_real_sampling_rate(qwen):
     prepared = qwen.prepare(f"{QWEN_VIDEO} what happens?", videos=[_video(num_frames=4, fps=2.0)])
-    grid = prepared.mm_inputs["video_grid_thw"]
-    assert grid.tolist() == [[2, 4, 6]]  # 4 frames / temporal patch 2; 56x84 px / 14
-    assert prepared.mm_inputs["second_per_grid_ts"].tolist() == [1.0]  # 2 frames per grid step at 2 fps
-    assert prepared.prompt_token_ids.count(qwen.video_token_id) == 2 * 4 * 6 // 4
+    (video,) = prepared.media
+    assert video.kind == "video" and video.tensors["video_grid_thw"].tolist() == [[2, 4, 6]]  # 4 frames / temporal patch 2; 56x84 px / 14
+    assert video.tensors["second_per_grid_ts"].tolist() == [1.0]  # 2 frames per grid step at 2 fps
+    assert video.num_tokens == prepared.prompt_token_ids.count(qwen.video_token_id) == 2 * 4 * 6 // 4
     slower = qwen.prepare(f"{QWEN_VIDEO} what happens?", videos=[_video(num_frames=4, fps=0.5)])
-    assert slower.mm_inputs["second_per_grid_ts"].tolist() == [4.0]
+    assert slower.media[0].tensors["second_per_grid_ts"].tolist() == [4.0]
 
 
-def test_mm_inputs_concatenate_across_requests(qwen, llava):
+def test_media_items_are_one_per_image_and_collate_to_the_processor_batch(qwen, llava):
+    """Each item holds its own rows of the processor's batch; collating a prompt's items gives
+    back exactly what the processor returned for the whole prompt."""
     one = qwen.prepare(f"{QWEN_IMAGE}a", [_image(56, 56)])
-    two = qwen.prepare(f"{QWEN_IMAGE}{QWEN_IMAGE}b", [_image(112, 84, 1), _image(56, 112, 2)])
-    assert set(one.mm_inputs) == {"pixel_values", "image_grid_thw"}
-    grids = torch.cat([one.mm_inputs["image_grid_thw"], two.mm_inputs["image_grid_thw"]], dim=0)
-    pixels = torch.cat([one.mm_inputs["pixel_values"], two.mm_inputs["pixel_values"]], dim=0)
-    assert int(grids.prod(dim=1).sum()) == pixels.shape[0]
-    assert len(two.mm_hashes) == 2 and two.mm_hashes[0] != two.mm_hashes[1]
+    images = [_image(112, 84, 1), _image(56, 112, 2)]
+    two = qwen.prepare(f"{QWEN_IMAGE}{QWEN_IMAGE}b", images)
+    assert set(one.media[0].tensors) == {"pixel_values", "image_grid_thw"}
+    assert [item.num_tokens for item in two.media] == [int(i.tensors["image_grid_thw"].prod()) // 4 for i in two.media]
+    assert sum(item.num_tokens for item in two.media) == two.prompt_token_ids.count(qwen.image_token_id)
+    whole = qwen.processor(text=[f"{QWEN_IMAGE}{QWEN_IMAGE}b"], images=images, return_tensors="pt")
+    collated = collate(two.media)
+    assert torch.equal(collated["pixel_values"], whole["pixel_values"])
+    assert torch.equal(collated["image_grid_thw"], whole["image_grid_thw"])
+    assert two.media[0].content_hash != two.media[1].content_hash
     again = qwen.prepare(f"x{QWEN_IMAGE}", [_image(56, 56)])
-    assert again.mm_hashes == one.mm_hashes  # same pixels, same hash
+    assert again.media[0].content_hash == one.media[0].content_hash  # same pixels, same hash
     lone = llava.prepare("USER: <image>\nhi ASSISTANT:", [_image()])
-    assert lone.mm_inputs["pixel_values"].shape == (1, 3, 56, 56)
+    assert lone.media[0].tensors["pixel_values"].shape == (1, 3, 56, 56) and lone.media[0].num_tokens == 16
 
 
 def test_chat_template_renders_placeholders(qwen, llava):

@@ -2,12 +2,12 @@
 
 import torch
 
-from vlmbatch.engine.models.packed_attention import NAME, use_packed_attention
-from vlmbatch.models.registry import load_hf_model
+from vlmbatch.engine.layers.segment_attention import NAME, use_packed_attention
+from vlmbatch.engine.loading import load_hf_model
 
 
 def test_packed_attention_reproduces_sdpa_features(tiny_qwen):
-    model = load_hf_model(str(tiny_qwen), "float32", "cpu")
+    model = load_hf_model(str(tiny_qwen), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     grids = torch.tensor([[1, 8, 8], [1, 4, 6], [2, 4, 4]])  # windows of several lengths, one 2-frame item
     pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 14 * 14)

@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.norm import RMSNorm
-from vlmbatch.engine.layers.rotary import apply_rotary
-from vlmbatch.engine.models.decoder import silu_and_mul, use_kernels_in
-from vlmbatch.engine.models.packed_attention import attend_segments
+from vlmbatch.engine.layers.segment_attention import attend_segments
 
 # Gated-MLP widths are padded to a multiple of this many elements (Qwen2.5-VL's 3420 rows
 # are not 16-byte aligned; 64 is also a multiple of cuBLAS's tile sizes).
@@ -70,13 +69,13 @@ class BatchLayout:
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int):
+    def __init__(self, dim: int, num_heads: int, rotary: Callable):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.scale = self.head_dim**-0.5
-        self.rotary: Callable = apply_rotary  # or the fused kernel (`use_kernels`)
+        self.rotary = rotary
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
@@ -86,23 +85,23 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, dim: int, intermediate: int):
+    def __init__(self, dim: int, intermediate: int, act: Callable):
         super().__init__()
         self.gate_up_proj = nn.Linear(dim, 2 * intermediate)
         self.down_proj = nn.Linear(intermediate, dim)
-        self.act: Callable = silu_and_mul  # or the fused kernel (`use_kernels`)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, intermediate: int):
+    def __init__(self, dim: int, num_heads: int, intermediate: int, kernels: KernelSet):
         super().__init__()
-        self.norm1 = RMSNorm(dim, 1e-6)
-        self.attn = VisionAttention(dim, num_heads)
-        self.norm2 = RMSNorm(dim, 1e-6)
-        self.mlp = VisionMLP(dim, intermediate)
+        self.norm1 = RMSNorm(dim, 1e-6, kernels.rms_norm)
+        self.attn = VisionAttention(dim, num_heads, kernels.rotary)
+        self.norm2 = RMSNorm(dim, 1e-6, kernels.rms_norm)
+        self.mlp = VisionMLP(dim, intermediate, kernels.silu_and_mul)
 
     def forward(self, x, residual, cos, sin, lengths):
         """Takes and returns (output, residual) so each add is fused into the next norm."""
@@ -115,7 +114,7 @@ class VisionBlock(nn.Module):
 class QwenVisionTower(nn.Module):
     """Patch embedding, windowed/full-attention blocks and the 2x2 patch merger."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, kernels: KernelSet):
         super().__init__()
         dim, self.merge = config.hidden_size, config.spatial_merge_size
         self.window = config.window_size // config.spatial_merge_size // config.patch_size
@@ -124,17 +123,17 @@ class QwenVisionTower(nn.Module):
         intermediate = -(-config.intermediate_size // MLP_ALIGNMENT) * MLP_ALIGNMENT
         patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
         self.patch_embed = nn.Linear(patch, dim, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(dim, config.num_heads, intermediate) for _ in range(config.depth))
-        self.merger_norm = RMSNorm(dim, 1e-6)
+        self.blocks = nn.ModuleList(VisionBlock(dim, config.num_heads, intermediate, kernels) for _ in range(config.depth))
+        self.merger_norm = RMSNorm(dim, 1e-6, kernels.rms_norm)
         self.merger_fc1 = nn.Linear(dim * self.merge**2, dim * self.merge**2)
         self.merger_fc2 = nn.Linear(dim * self.merge**2, config.out_hidden_size)
         self.inv_freq = torch.empty(0)  # a plain attribute: `.to(bfloat16)` must not round it
         self._layouts: OrderedDict[tuple, BatchLayout] = OrderedDict()
 
     @classmethod
-    def from_hf(cls, visual: nn.Module, device: torch.device, dtype: torch.dtype) -> "QwenVisionTower":
+    def from_hf(cls, visual: nn.Module, device: torch.device, dtype: torch.dtype, kernels: KernelSet) -> "QwenVisionTower":
         with torch.device(device):
-            tower = cls(visual.config).to(dtype)
+            tower = cls(visual.config, kernels).to(dtype)
         tower.load_from_hf(visual)
         return tower.eval().requires_grad_(False)
 
@@ -161,10 +160,6 @@ class QwenVisionTower(nn.Module):
         self.merger_norm.weight.copy_(visual.merger.ln_q.weight)
         self.merger_fc1.load_state_dict(visual.merger.mlp[0].state_dict())
         self.merger_fc2.load_state_dict(visual.merger.mlp[2].state_dict())
-
-    def use_kernels(self, kernels: Any | None) -> None:
-        """Fused RMSNorm, rotary and SiLU·mul (`vlmbatch.kernels`), or plain torch (None)."""
-        use_kernels_in(self, kernels, (VisionAttention,), (VisionMLP,))
 
     def layout(self, grids: torch.Tensor) -> BatchLayout:
         """The batch layout of `grids` [items, 3] (t, h, w in patches), cached: batch jobs

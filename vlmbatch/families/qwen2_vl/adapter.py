@@ -17,8 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmbatch.media.types import VideoFrames
-from vlmbatch.models.processor_adapter import ProcessorAdapter
+from vlmbatch.families.processor_adapter import ProcessorAdapter
+from vlmbatch.families.prompt import IMAGE, VIDEO, MediaItem
+from vlmbatch.media.types import EncodedImage, VideoFrames
+
+# (kind, pixels key, grid key) of the processor's outputs, images before videos.
+_KINDS = ((IMAGE, "pixel_values", "image_grid_thw"), (VIDEO, "pixel_values_videos", "video_grid_thw"))
 
 
 def _frames_input(video: VideoFrames) -> np.ndarray | torch.Tensor:
@@ -35,8 +39,6 @@ def _frames_device(arrays: list[np.ndarray | torch.Tensor]) -> torch.device | No
 
 
 class Qwen2VLAdapter(ProcessorAdapter):
-    family = "qwen2_vl"
-    supports_video = True
     image_token = "<|image_pad|>"
     video_token = "<|video_pad|>"
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -71,23 +73,36 @@ class Qwen2VLAdapter(ProcessorAdapter):
             kwargs["cap_pixels_per_frame"] = True
         return kwargs
 
-    def _pending_image_inputs(self, jpegs: list[Any]) -> dict[str, torch.Tensor]:
-        """Each image's (1, h, w) patch grid, exactly as the image processor derives it
+    def media_items(self, processed: dict[str, torch.Tensor], hashes: list[str]) -> list[MediaItem]:
+        """One item per grid: its patch rows of the pixels, its grid, and for a video its
+        `second_per_grid_ts` (temporal M-RoPE positions come from it)."""
+        merge = self.config.vision_config.spatial_merge_size ** 2
+        items: list[MediaItem] = []
+        for kind, pixels_key, grid_key in _KINDS:
+            grids = processed.get(grid_key)
+            if grids is None:
+                continue
+            seconds = processed.get("second_per_grid_ts")
+            for i, (grid, pixels) in enumerate(zip(grids, processed[pixels_key].split(grids.prod(-1).tolist()))):
+                tensors = {pixels_key: pixels, grid_key: grid.unsqueeze(0)}
+                if kind == VIDEO and seconds is not None:
+                    tensors["second_per_grid_ts"] = torch.as_tensor(seconds).reshape(-1)[i : i + 1]
+                items.append(MediaItem(kind, tensors, int(grid.prod()) // merge, hashes[len(items)]))
+        return items
+
+    def _encoded_tensors(self, image: EncodedImage) -> dict[str, torch.Tensor]:
+        """The image's (1, h, w) patch grid, exactly as the image processor derives it
         (`smart_resize` with its pixel bounds, patch and merge sizes): M-RoPE positions and
         the token count come from it before the pixels exist."""
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
         ip = self.processor.image_processor
         patch = ip.patch_size
-        grids = []
-        for jpeg in jpegs:
-            height, width = smart_resize(
-                jpeg.height, jpeg.width, patch * ip.merge_size,
-                min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"],
-            )
-            grids.append([1, height // patch, width // patch])
-        return {"image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
+        height, width = smart_resize(
+            image.height, image.width, patch * ip.merge_size,
+            min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"],
+        )
+        return {"image_grid_thw": torch.tensor([[1, height // patch, width // patch]], dtype=torch.int64)}
 
 
-class Qwen2_5_VLAdapter(Qwen2VLAdapter):
-    family = "qwen2_5_vl"
+ADAPTER = Qwen2VLAdapter

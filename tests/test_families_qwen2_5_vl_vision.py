@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from vlmbatch.engine.models.qwen_vision import MLP_ALIGNMENT, QwenVisionTower
-from vlmbatch.models.registry import load_hf_model
+from vlmbatch.engine.kernel_choice import TORCH_KERNELS
+from vlmbatch.families.qwen2_5_vl.vision import MLP_ALIGNMENT, QwenVisionTower
+from vlmbatch.engine.loading import load_hf_model
 
 # Windows of several lengths (8x8 and 4x6 patches with 2x2-merged windows), a 2-frame video
 # item (full attention per frame), and a repeated grid.
@@ -25,12 +26,12 @@ def _pixels(visual, grids, seed=0):
 
 @pytest.fixture(scope="module")
 def visual(tiny_qwen):
-    return load_hf_model(str(tiny_qwen), "float32", "cpu").model.visual
+    return load_hf_model(str(tiny_qwen), torch.float32, torch.device("cpu")).model.visual
 
 
 @torch.no_grad()
 def test_tower_matches_transformers(visual):
-    tower = QwenVisionTower.from_hf(visual, torch.device("cpu"), torch.float32)
+    tower = QwenVisionTower.from_hf(visual, torch.device("cpu"), torch.float32, TORCH_KERNELS)
     pixels = _pixels(visual, GRIDS)
     expected = _features(visual, pixels, GRIDS)
     torch.testing.assert_close(tower(pixels, GRIDS), expected, rtol=1e-5, atol=1e-5)
@@ -41,7 +42,7 @@ def test_tower_matches_transformers(visual):
 
 @torch.no_grad()
 def test_layout_is_cached_per_grid_combination(visual):
-    tower = QwenVisionTower.from_hf(visual, torch.device("cpu"), torch.float32)
+    tower = QwenVisionTower.from_hf(visual, torch.device("cpu"), torch.float32, TORCH_KERNELS)
     first = tower.layout(GRIDS)
     assert tower.layout(GRIDS.clone()) is first
     assert tower.layout(GRIDS[:2]) is not first
@@ -60,7 +61,7 @@ def test_unaligned_mlp_is_padded_without_changing_features(tiny_qwen):
     visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32).eval()
     for parameter in visual.parameters():  # fresh random weights everywhere, biases included
         parameter.data.normal_(0, 0.2)
-    tower = QwenVisionTower.from_hf(visual, torch.device("cpu"), torch.float32)
+    tower = QwenVisionTower.from_hf(visual, torch.device("cpu"), torch.float32, TORCH_KERNELS)
     assert tower.blocks[0].mlp.down_proj.in_features == MLP_ALIGNMENT
     pixels = _pixels(visual, GRIDS, seed=2)
     torch.testing.assert_close(tower(pixels, GRIDS), _features(visual, pixels, GRIDS), rtol=1e-5, atol=1e-5)

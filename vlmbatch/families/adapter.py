@@ -1,0 +1,75 @@
+"""What a family's adapter promises the rest of vlmbatch.
+
+A `ModelAdapter` turns (prompt text or chat messages, decoded images, sampled video
+frames) into a `PreparedPrompt`. Per-row problems surface here as `RowError`s before any
+GPU work: an empty prompt, placeholders that do not match the media, media the family
+cannot take, a prompt that leaves no room for `max_tokens`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from vlmbatch.families.prompt import PreparedPrompt
+from vlmbatch.families.registry import Family
+from vlmbatch.media.types import EncodedImage, VideoFrames
+
+
+class ModelAdapter(ABC):
+    """Family-specific prompt building and preprocessing around an HF processor."""
+
+    def __init__(self, model_path: str, processor: Any, config: Any, family: Family):
+        self.model_path = model_path
+        self.processor = processor
+        self.config = config
+        self.family = family
+
+    @property
+    def supports_video(self) -> bool:
+        return self.family.supports("video")
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Context length: prompt tokens (media included) plus generated tokens."""
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> list[int]:
+        """Tokens that end generation (EOS and the chat turn terminator)."""
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render OpenAI-style messages into the model's prompt text, with media placeholders."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        prompt: str,
+        images: list[Any] | None = None,
+        videos: list[VideoFrames] | None = None,
+        max_tokens: int = 0,
+    ) -> PreparedPrompt:
+        """Tokenise `prompt` with its media into token ids and media items; raise `RowError`."""
+
+    def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
+        """`prepare` for JPEGs the engine decodes itself: identical token ids, items that
+        carry the encoded bytes instead of pixels. Families that cannot count an image's
+        tokens from its size alone do not override it (the job then decodes on the CPU)."""
+        raise NotImplementedError(f"{self.family.name} cannot defer image decoding to the engine")
+
+    @property
+    def accepts_encoded_images(self) -> bool:
+        return type(self).prepare_encoded is not ModelAdapter.prepare_encoded
+
+    def check(
+        self,
+        prompt: str,
+        images: list[Any] | None = None,
+        videos: list[VideoFrames] | None = None,
+        max_tokens: int = 0,
+    ) -> int:
+        """Validate like `prepare` and return the prompt's token count; families override it
+        with a path that skips pixel preprocessing (the dry-run checks 5,000+ rows/s)."""
+        return self.prepare(prompt, images, videos, max_tokens).num_tokens
