@@ -7,24 +7,15 @@ prove they did. Greedy tokens must be identical to HF's for every request.
 
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from engine_harness import WORDS, build_requests, hf_greedy, qwen_prompt, run_to_completion
 
 from vlmbatch.config import EngineConfig
-from vlmbatch.engine.hf import generate_inputs
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.media.types import VideoFrames
 from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.families.registry import load_adapter
-
-WORDS = "the cat sits on the mat and the dog runs in the park while a person is riding a bicycle".split()
-SYSTEM = "You are a helpful assistant. The user asks a question and the assistant answers it."
-
 
 @pytest.fixture(autouse=True, scope="module")
 def single_thread():
@@ -33,63 +24,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
-    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def make_video(seed: int, frames: int = 4) -> VideoFrames:
-    pixels = np.random.RandomState(seed).randint(0, 256, (frames, 56, 84, 3), dtype=np.uint8)
-    return VideoFrames(pixels, [i / 2 for i in range(frames)], sampled_fps=2.0, source_fps=2.0, duration=frames / 2)
-
-
-def qwen_prompt(text: str, num_images: int, with_video: bool) -> str:
-    media = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
-    if with_video:
-        media += "<|vision_start|><|video_pad|><|vision_end|>"
-    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{media}{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def llava_prompt(text: str, num_images: int, with_video: bool) -> str:
-    return f"{SYSTEM} USER: " + "<image>\n" * num_images + f"{text} ASSISTANT:"
-
-
-def build_requests(adapter, family: str, count: int, seed: int):
-    """Mixed requests: text-only, one or two images (a few shared), a video (Qwen), repeats."""
-    rng = random.Random(seed)
-    images = [make_image(i, (rng.choice([40, 56, 90, 112]), rng.choice([40, 56, 84]))) for i in range(4)]
-    make_prompt = qwen_prompt if family.startswith("qwen") else llava_prompt
-    requests = []
-    for i in range(count):
-        if i % 10 == 9:  # an exact repeat: its whole prefix is cached
-            requests.append((f"{i}", *requests[-1][1:]))
-            continue
-        num_images = rng.choice([0, 1, 1, 2])
-        with_video = family.startswith("qwen") and i % 10 == 4
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
-        chosen = [images[rng.randrange(len(images))] for _ in range(num_images)]
-        videos = [make_video(i)] if with_video else []
-        max_tokens = rng.randint(2, 24)
-        requests.append((f"{i}", make_prompt(text, num_images, with_video), chosen, videos, max_tokens))
-    return requests
-
-
-def hf_greedy(hf_model, adapter, prompt, max_tokens) -> list[int]:
-    """HF `generate()` on exactly the tensors the adapter prepared (one request, no padding)."""
-    out = hf_model.generate(**generate_inputs(hf_model, adapter, [prompt], adapter.tokenizer.pad_token_id or 0),
-                           max_new_tokens=max_tokens, do_sample=False)
-    return out[0, prompt.num_tokens :].tolist()
-
-
-def run_to_completion(engine) -> dict:
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return finished
 
 
 @pytest.mark.parametrize(("arch", "count"), [("qwen2_5_vl", 30), ("llava", 24), ("qwen2_vl", 8)])

@@ -15,6 +15,7 @@ import torch
 
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
 from vlmbatch.engine.decode_graphs import StaticDecodeInputs, graph_batch_sizes
+from vlmbatch.engine.decoder import DeepStack
 from vlmbatch.engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_blocks_from_free_memory
 from vlmbatch.engine.sampler import SamplingBatch, sample
 from vlmbatch.engine.scheduler import ScheduledBatch
@@ -130,7 +131,7 @@ class ModelRunner:
             parts.append((torch.arange(max(start, seq.num_prompt_tokens), end) + mm.rope_delta).expand(3, -1))
         return torch.cat(parts, dim=1)
 
-    def _prefill_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prefill_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, DeepStack | None]:
         ids, positions, slots, q_lens, ctx_lens = [], [], [], [], []
         media_rows, media_at = [], []  # media embedding rows and where they go in the flat batch
         offset = 0
@@ -148,10 +149,15 @@ class ModelRunner:
                 media_at.append(at + offset)
             offset += n
         embeds = self.decoder.embed_tokens(torch.tensor(ids).to(self.device, non_blocking=True))
+        deepstack = None
         if media_rows:
-            embeds[torch.cat(media_at).to(self.device)] = torch.cat(media_rows).to(self.device, embeds.dtype)
+            at, rows = torch.cat(media_at).to(self.device), torch.cat(media_rows).to(self.device, embeds.dtype)
+            hidden = embeds.shape[-1]
+            embeds[at] = rows[:, :hidden]
+            if self.model.deepstack_levels:  # the levels sit beside the embeddings (`encode_batch`)
+                deepstack = DeepStack(at, rows[:, hidden:].view(len(at), self.model.deepstack_levels, hidden))
         meta = self._metadata(True, slots, [s.block_table for s in batch.seqs], q_lens, ctx_lens)
-        return embeds, torch.cat(positions, dim=-1).to(self.device, non_blocking=True), meta
+        return embeds, torch.cat(positions, dim=-1).to(self.device, non_blocking=True), meta, deepstack
 
     def _decode_host_inputs(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor, list[int], list[int]]:
         """Plain lists built in one pass: this runs every decode step for every sequence."""
@@ -174,8 +180,8 @@ class ModelRunner:
         order (the previous step's samples), instead of each sequence's last token."""
         if not batch.is_prefill:
             return batch.seqs, self._decode_logits(batch.seqs, input_ids)
-        embeds, positions, meta = self._prefill_inputs(batch)
-        hidden = self.decoder(embeds, positions, self.kv_caches, meta, self.backend)
+        embeds, positions, meta, deepstack = self._prefill_inputs(batch)
+        hidden = self.decoder(embeds, positions, self.kv_caches, meta, self.backend, deepstack)
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == len(s)]
         last = torch.tensor(meta.q_lens).cumsum(0)[done] - 1
         return [batch.seqs[i] for i in done], self.decoder.compute_logits(hidden[last.to(self.device)])

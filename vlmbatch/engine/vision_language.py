@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmbatch.engine.decoder import Decoder
+from vlmbatch.engine.decoder import Decoder, DecoderSpec
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
@@ -43,6 +43,8 @@ class VisionLanguageModel(ABC):
     """Our decoder plus the family's vision tower and prompt-position rules."""
 
     mrope = False  # positions are [3, tokens] (M-RoPE), not [tokens]
+    mrope_interleaved = False  # Qwen3-VL's layout of the M-RoPE frequencies (`RotaryEmbedding`)
+    deepstack_levels = 0  # vision feature levels added after the first decoder layers (Qwen3-VL)
 
     def __init__(self, hf_model: nn.Module, decoder: Decoder, kernels: KernelSet, image_decoder: EncodedImageDecoder,
                  encoder_cache_size: int = 256):
@@ -65,9 +67,9 @@ class VisionLanguageModel(ABC):
         (only the vision tower and the position rules are kept from `transformers`)."""
         language_model = hf_model.model.language_model
         text_config = hf_model.config.get_text_config()
-        rotary = RotaryEmbedding.from_hf(language_model.rotary_emb, text_config, mrope=cls.mrope)
+        rotary = RotaryEmbedding.from_hf(language_model.rotary_emb, text_config, mrope=cls.mrope, interleaved=cls.mrope_interleaved)
         with torch.device(device):
-            decoder = Decoder(text_config, rotary, cls.qkv_bias(text_config), kernels).to(dtype)
+            decoder = Decoder(text_config, rotary, cls.decoder_spec(text_config), kernels).to(dtype)
         decoder.load_from_hf(language_model, hf_model.lm_head)
         decoder.eval().requires_grad_(False)
         hf_model.model.language_model = None
@@ -76,9 +78,9 @@ class VisionLanguageModel(ABC):
             torch.cuda.empty_cache()
         return cls(hf_model, decoder, kernels, image_decoder)
 
-    @staticmethod
-    def qkv_bias(text_config: Any) -> bool:
-        return bool(getattr(text_config, "attention_bias", False))
+    @classmethod
+    def decoder_spec(cls, text_config: Any) -> DecoderSpec:
+        return DecoderSpec(qkv_bias=bool(getattr(text_config, "attention_bias", False)))
 
     def _fuse_tower_norms(self, rms_norm: Any) -> None:
         """The checkpoint's own RMSNorms (in `transformers` towers) through the fused kernel:
@@ -100,7 +102,8 @@ class VisionLanguageModel(ABC):
 
     @abstractmethod
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
-        """Embeddings [sum of num_tokens, hidden] of decoded items of one kind, in order."""
+        """Embeddings [sum of num_tokens, hidden * (1 + deepstack_levels)] of decoded items of
+        one kind, in order: the input embeddings, then each DeepStack level, side by side."""
 
     def prompt_positions(self, token_ids: list[int], media: list[MediaItem]) -> tuple[torch.Tensor | None, int]:
         """M-RoPE positions [3, len] of a prompt and the rope delta; (None, 0) for 1-D RoPE."""

@@ -55,6 +55,7 @@ FAMILIES: dict[str, Family] = {
         _family("qwen2_5_vl", {IMAGES, VIDEO}),
         _family("qwen2_vl", {IMAGES, VIDEO}),
         _family("llava", {IMAGES}),
+        _family("qwen3_vl", {IMAGES, VIDEO}),
     )
 }
 _BY_MODEL_TYPE = {model_type: f for f in FAMILIES.values() for model_type in f.model_types}

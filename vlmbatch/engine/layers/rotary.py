@@ -1,10 +1,12 @@
-"""Rotary position embeddings for flat token batches: 1-D RoPE and Qwen2-VL's M-RoPE.
+"""Rotary position embeddings for flat token batches: 1-D RoPE and the Qwen-VL M-RoPEs.
 
 The inverse frequencies and scaling come from the checkpoint's own `transformers`
 rotary module, so every rope type it supports is reproduced exactly. M-RoPE gives each
-token three positions (temporal, height, width); frequency band i of the rotary
-dimension takes its angle from axis i % 3 over the `mrope_section` split, and the
-result is laid out like 1-D RoPE, so one `apply_rotary` serves both.
+token three positions (temporal, height, width) and takes each frequency's angle from
+one of them: Qwen2-VL splits the frequencies into three contiguous sections
+(`mrope_section`), Qwen3-VL interleaves them (frequency i from height when i % 3 == 1 and
+i < 3 * section[1], from width when i % 3 == 2 and i < 3 * section[2], else temporal).
+The result is laid out like 1-D RoPE, so one `apply_rotary` serves all of them.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, mrope_section: list[int] | None = None):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, mrope_section: list[int] | None = None,
+                 interleaved: bool = False):
         super().__init__()
         # A plain attribute, not a buffer: `.to(bfloat16)` on the decoder must not round it.
         self.inv_freq = inv_freq.float().clone()
         self.attention_scaling = attention_scaling
         self.mrope_section = list(mrope_section) if mrope_section else None
+        self.interleaved = interleaved
 
     @classmethod
-    def from_hf(cls, hf_rotary: nn.Module, text_config, mrope: bool) -> "RotaryEmbedding":
+    def from_hf(cls, hf_rotary: nn.Module, text_config, mrope: bool, interleaved: bool = False) -> "RotaryEmbedding":
         """From the model's `transformers` rotary module; the M-RoPE section sits on the
         module in recent versions and in the config's rope parameters in older ones."""
         section = None
@@ -40,7 +44,7 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = fresh.to(hf_rotary.inv_freq.device)
             except (TypeError, KeyError, AttributeError):
                 pass
-        return cls(inv_freq, float(scaling), section)
+        return cls(inv_freq, float(scaling), section, interleaved)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, head_dim] for positions [num_tokens] (or [3, num_tokens])."""
@@ -48,10 +52,21 @@ class RotaryEmbedding(nn.Module):
         if self.mrope_section is not None:
             if positions.dim() == 1:
                 freqs = freqs.unsqueeze(0).expand(3, -1, -1)
-            bands = freqs.split(self.mrope_section, dim=-1)
-            freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+            freqs = self._interleave(freqs) if self.interleaved else self._sections(freqs)
         freqs = torch.cat((freqs, freqs), dim=-1)
         return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
+
+
+    def _sections(self, freqs: torch.Tensor) -> torch.Tensor:
+        bands = freqs.split(self.mrope_section, dim=-1)
+        return torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+
+    def _interleave(self, freqs: torch.Tensor) -> torch.Tensor:
+        out = freqs[0].clone()
+        for axis in (1, 2):
+            band = slice(axis, 3 * self.mrope_section[axis], 3)
+            out[..., band] = freqs[axis][..., band]
+        return out
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

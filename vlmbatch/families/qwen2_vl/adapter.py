@@ -51,19 +51,7 @@ class Qwen2VLAdapter(ProcessorAdapter):
         from transformers.video_utils import VideoMetadata
 
         arrays = [_frames_input(v) for v in videos]
-        metadata = [
-            # fps is the rate the frames were sampled at, which is what the processor
-            # turns into second_per_grid_ts; indices are positions in this frame list.
-            VideoMetadata(
-                total_num_frames=len(a),
-                fps=v.sampled_fps,
-                width=a.shape[2],
-                height=a.shape[1],
-                duration=v.duration,
-                frames_indices=list(range(len(a))),
-            )
-            for v, a in zip(videos, arrays)
-        ]
+        metadata = [VideoMetadata(**self._video_metadata(v, a)) for v, a in zip(videos, arrays)]
         kwargs: dict[str, Any] = {"videos": arrays, "video_metadata": metadata, "do_sample_frames": False}
         device = _frames_device(arrays)
         if device is not None:  # videos only: a row's images keep the CPU path
@@ -72,6 +60,13 @@ class Qwen2VLAdapter(ProcessorAdapter):
             # transformers >= 5.20 asks us to choose: take qwen-vl-utils' bounded per-frame pixels.
             kwargs["cap_pixels_per_frame"] = True
         return kwargs
+
+    @staticmethod
+    def _video_metadata(video: VideoFrames, frames: np.ndarray | torch.Tensor) -> dict[str, Any]:
+        """fps is the rate the frames were sampled at, which the processor turns into
+        `second_per_grid_ts`; indices are positions in this frame list."""
+        return dict(total_num_frames=len(frames), fps=video.sampled_fps, width=frames.shape[2], height=frames.shape[1],
+                    duration=video.duration, frames_indices=list(range(len(frames))))
 
     def media_items(self, processed: dict[str, torch.Tensor], hashes: list[str]) -> list[MediaItem]:
         """One item per grid: its patch rows of the pixels, its grid, and for a video its

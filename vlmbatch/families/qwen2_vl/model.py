@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vlmbatch.engine.decoder import DecoderSpec
 from vlmbatch.engine.layers.segment_attention import use_packed_attention
 from vlmbatch.engine.vision_language import VisionLanguageModel, on_device, pooled
 from vlmbatch.families.prompt import IMAGE, VIDEO, MediaItem, collate
@@ -27,9 +28,9 @@ class QwenVL(VisionLanguageModel):
 
     mrope = True
 
-    @staticmethod
-    def qkv_bias(text_config: Any) -> bool:
-        return True  # Qwen2's q/k/v projections always have biases
+    @classmethod
+    def decoder_spec(cls, text_config: Any) -> DecoderSpec:
+        return DecoderSpec(qkv_bias=True)  # Qwen2's q/k/v projections always have biases
 
     @property
     def placeholder_token_ids(self) -> dict[str, int]:
