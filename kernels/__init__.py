@@ -5,10 +5,12 @@ on the CPU under `TRITON_INTERPRET=1` and on the GPU (`vlmbatch bench kernels`).
 """
 
 from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
+from .fused_moe import GemmTile, MoeConfig, fused_moe
 from .kv_cache_write import store_kvcache
 from .prefill_attention import PrefillConfig, paged_prefill_attention
 from .reference import (
     apply_rotary_ref,
+    fused_moe_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -21,12 +23,16 @@ from .skinny_gemm import SkinnyConfig, skinny_linear
 
 __all__ = [
     "DecodeConfig",
+    "GemmTile",
+    "MoeConfig",
     "PrefillConfig",
     "apply_rotary",
     "apply_rotary_and_store",
     "apply_rotary_ref",
     "fused_silu_and_mul",
     "choose_num_splits",
+    "fused_moe",
+    "fused_moe_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

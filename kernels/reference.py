@@ -9,6 +9,7 @@ float32 arithmetic, one rounding to the output dtype at the end.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kvcache_ref(
@@ -125,3 +126,44 @@ def apply_rotary_ref(
     interleaved by section), so one definition serves 1-D RoPE and M-RoPE.
     """
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def moe_gate_up_ref(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of each token's k experts, `[tokens, k, intermediate]`, one expert at a
+    time as transformers' `Qwen3VLMoeTextExperts` does: `w_gate_up` is `[experts, 2 * I, hidden]`
+    with the gate rows first; the projection, the SiLU and the product are each rounded to
+    the model dtype. Slots with ids outside [0, experts) stay zero."""
+    dtype = hidden.dtype
+    act = hidden.new_zeros(*topk_ids.shape, w_gate_up.shape[1] // 2)
+    for expert in range(w_gate_up.shape[0]):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = (hidden[token].float() @ w_gate_up[expert].float().T).to(dtype).chunk(2, dim=-1)
+        act[token, slot] = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    return act
+
+
+def moe_down_ref(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Each slot's expert output times its routing weight, `[tokens, k, hidden]`, rounded once
+    (`w_down` is `[experts, hidden, I]`); unused slots stay zero."""
+    out = act.new_zeros(*topk_ids.shape, w_down.shape[1])
+    for expert in range(w_down.shape[0]):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel() == 0:
+            continue
+        product = act[token, slot].float() @ w_down[expert].float().T
+        out[token, slot] = (product * topk_weights[token, slot, None].float()).to(act.dtype)
+    return out
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The experts of a Qwen3-VL-MoE sparse block for `hidden` `[tokens, hidden]` routed to
+    `topk_ids` with `topk_weights` (both `[tokens, k]`): each token's weighted expert outputs
+    added in float32 and rounded once. In float32 this is transformers' module up to the
+    order of the additions; in bf16 it rounds the weighted product once where transformers
+    rounds the product and then the weighting, and adds in float32 where it adds in bf16."""
+    act = moe_gate_up_ref(hidden, w_gate_up, topk_ids)
+    return moe_down_ref(act, w_down, topk_weights, topk_ids).float().sum(dim=1).to(hidden.dtype)

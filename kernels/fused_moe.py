@@ -1,0 +1,390 @@
+"""The experts of a mixture-of-experts layer (Qwen3-VL-MoE's sparse block) as grouped GEMMs.
+
+Given each token's top-k experts and routing weights (the router stays in torch, exactly as
+transformers computes it), four launches do the rest:
+
+1. `moe_align`: the (token, slot) pairs are sorted by expert and each expert's run is padded
+   to a multiple of BLOCK_M, so every M block of the GEMMs belongs to one expert. Only
+   experts that received a token get blocks: at decode batch 1 with top-8 there are exactly
+   8 blocks, and no program is launched for the 120 idle experts' weights.
+2. `expert_gate_up`: `x @ W_gate_up[e].T` per block with SiLU(gate) * up in the epilogue.
+3. `expert_down`: `act @ W_down[e].T` per block, times the pair's routing weight.
+4. `sum_slots`: each token's k weighted expert outputs summed in float32, in slot order
+   (deterministic, no atomics), rounded once.
+
+A decode step is bound by reading the weights of the experts its tokens chose (9.4 MB an
+expert at the 30B-A3B shapes), so the work depends on bytes, not FLOPs: grids are sized
+from the worst case of the token count alone (fixed shapes for CUDA graphs; programs past
+the real number of blocks exit at once), nothing waits on the host, and the tile shapes
+come from a table measured on the H200 (`vlmbatch.bench.moe`), keyed by the token count.
+Rounding follows transformers' module (see `reference.fused_moe_ref`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import follow_previous, launch_options, pdl_enabled
+
+# moe_align: up to this many (token, slot) pairs one program counts and places them all
+# (one launch); beyond it each program takes a chunk and a first launch counts the chunks.
+SINGLE_PROGRAM_PAIRS = 512
+MIN_CHUNK_PAIRS = 512
+MAX_CHUNKS = 128
+_ALIGN_ROWS = 64  # pairs per step inside an align program ([rows, experts] one-hot tiles)
+_SUM_ELEMENTS = 2048  # of a sum_slots program: [tokens, hidden] tile
+
+# The kernels' relative L2 error against `reference.fused_moe_ref`: both round at the same
+# points (gate, up, SiLU, their product, each weighted expert output, the sum) and differ
+# only in the order of their float32 additions (~1e-6 relative), which moves a rounding by
+# one ulp only where a value lies that close to a rounding boundary. So the error stays
+# well under the dtype's unit roundoff (2^-9 in bf16, 2^-11 in fp16), the bound used.
+REL_L2_BOUND = {torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-9}
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Launch shape of one grouped GEMM (BLOCK_M is shared by both and lives in MoeConfig)."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+
+# >>> tuned tile table: written by vlmbatch.bench.moe.write_tuned_table from a device sweep
+TUNED_CONFIGS: dict[tuple[int, int, int, int], dict[int, MoeConfig]] = {}
+# <<< tuned tile table
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
+    """A reasonable launch for shapes the table lacks: BLOCK_M near the mean number of rows
+    of an expert that has any (padding rows cost reads of nothing but MMA time), narrow
+    weight strips while the product is bound by reading weights, square tiles once not."""
+    pairs = num_tokens * top_k
+    rows_per_expert = pairs / max(1, min(num_experts, pairs))
+    if rows_per_expert <= 16:
+        return MoeConfig(16, GemmTile(64, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
+    if rows_per_expert <= 32:
+        return MoeConfig(32, GemmTile(64, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
+    if rows_per_expert <= 96:
+        return MoeConfig(64, GemmTile(128, 64, 8, 4, 3), GemmTile(128, 64, 8, 4, 3))
+    return MoeConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
+
+
+def choose_config(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int) -> MoeConfig:
+    """The tuned entry for the smallest swept token count >= num_tokens (the largest beyond
+    them), or `default_config` for shapes that were never swept."""
+    table = TUNED_CONFIGS.get((hidden, intermediate, num_experts, top_k))
+    if not table:
+        return default_config(num_tokens, num_experts, top_k)
+    key = min((n for n in table if n >= num_tokens), default=max(table))
+    return table[key]
+
+
+class ExpertBlocks(NamedTuple):
+    """The (token, slot) pairs sorted by expert, in BLOCK_M runs (fixed-size, worst-case buffers).
+
+    `sorted_pairs[i]` is a flat pair index `token * top_k + slot`, or `num_pairs` in the
+    padding of an expert's last block; `expert_ids[b]` is block b's expert (-1 past the
+    used blocks); `num_padded[0]` is how many entries of `sorted_pairs` are used.
+    """
+
+    sorted_pairs: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most BLOCK_M blocks `num_pairs` pairs can need: each of n used experts rounds its
+    run up, sum(ceil(c_e / B)) <= n + (pairs - n) // B, largest at n = min(experts, pairs)."""
+    used = min(num_experts, num_pairs)
+    return used + (num_pairs - used) // block_m
+
+
+@triton.jit
+def _load_ids(ids_ptr, offs, end, num_experts):
+    """Expert ids at `offs` (< end), with -1 for ids outside [0, num_experts): they match no expert."""
+    ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1)
+    return tl.where((ids >= 0) & (ids < num_experts), ids, -1)
+
+
+@triton.jit
+def _count_pairs(ids_ptr, start, count, num_experts, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """Pairs per expert among ids[start : start + count] ([E_PAD] int32)."""
+    experts = tl.arange(0, E_PAD)
+    totals = tl.zeros([E_PAD], dtype=tl.int32)
+    for step in range(0, count, ROWS):
+        ids = _load_ids(ids_ptr, start + step + tl.arange(0, ROWS), start + count, num_experts)
+        totals += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    return totals
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk"])
+def _count_chunks_kernel(ids_ptr, chunk_counts_ptr, num_pairs, chunk, num_experts, E_PAD: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    follow_previous(PDL)
+    p = tl.program_id(0)
+    start = p * chunk
+    counts = _count_pairs(ids_ptr, start, tl.minimum(chunk, num_pairs - start), num_experts, E_PAD, ROWS)
+    tl.store(chunk_counts_ptr + p * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "num_blocks"])
+def _place_pairs_kernel(
+    ids_ptr, chunk_counts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+    num_pairs, chunk, num_chunks, num_blocks, num_experts,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, COUNT_HERE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program p places the pairs of its chunk: expert e's run starts at the padded total
+    of experts < e; within it pairs keep their order (earlier chunks first, then the rank
+    among this chunk's pairs of e). Program 0 also writes the padding sentinels, the block
+    experts and the used length. Ids outside [0, E) match no expert and are never placed."""
+    follow_previous(PDL)
+    p = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    start = p * chunk
+    count = tl.minimum(chunk, num_pairs - start)
+    if COUNT_HERE:  # a single program: the whole input is its chunk
+        totals = _count_pairs(ids_ptr, 0, num_pairs, num_experts, E_PAD, ROWS)
+        earlier = tl.zeros([E_PAD], dtype=tl.int32)
+    else:
+        totals = tl.zeros([E_PAD], dtype=tl.int32)
+        earlier = tl.zeros([E_PAD], dtype=tl.int32)
+        for q0 in range(0, num_chunks, ROWS):
+            qs = q0 + tl.arange(0, ROWS)
+            counts = tl.load(chunk_counts_ptr + qs[:, None] * E_PAD + experts[None, :], mask=qs[:, None] < num_chunks, other=0)
+            totals += tl.sum(counts, axis=0)
+            earlier += tl.sum(tl.where(qs[:, None] < p, counts, 0), axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    next_slot = ends - padded + earlier
+    for step in range(0, count, ROWS):
+        offs = start + step + tl.arange(0, ROWS)
+        ids = _load_ids(ids_ptr, offs, start + count, num_experts)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - 1  # among this step's pairs of the same expert
+        dest = tl.sum(onehot * (next_slot[None, :] + rank), axis=1)
+        tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=tl.sum(onehot, axis=1) > 0)
+        next_slot += tl.sum(onehot, axis=0)
+    if p == 0:
+        used = tl.sum(padded, axis=0)
+        tl.store(num_padded_ptr, used)
+        lane = tl.arange(0, BLOCK_M)
+        pad_slots = (ends - padded + totals)[:, None] + lane[None, :]
+        sentinel = tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + num_pairs
+        tl.store(sorted_ptr + pad_slots, sentinel, mask=lane[None, :] < (padded - totals)[:, None])
+        block_ends = ends // BLOCK_M
+        for b0 in range(0, num_blocks, ROWS):
+            blocks = b0 + tl.arange(0, ROWS)
+            owner = tl.sum((block_ends[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+            owner = tl.where(blocks < used // BLOCK_M, owner, -1)
+            tl.store(expert_ids_ptr + blocks, owner, mask=blocks < num_blocks)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Sort the pairs of `topk_ids` [tokens, k] by expert into BLOCK_M-padded runs, on the
+    device and without waiting for it (buffers sized by `max_blocks`)."""
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    if num_pairs == 0:
+        num_padded.zero_()
+        return ExpertBlocks(sorted_pairs, expert_ids, num_padded, block_m)
+    e_pad = triton.next_power_of_2(num_experts)
+    options = launch_options(pdl_enabled(ids))
+    if num_pairs <= SINGLE_PROGRAM_PAIRS:
+        chunk, num_chunks, chunk_counts = num_pairs, 1, num_padded  # no chunk counts to read
+    else:
+        chunk = max(MIN_CHUNK_PAIRS, triton.next_power_of_2(triton.cdiv(num_pairs, MAX_CHUNKS)))
+        num_chunks = triton.cdiv(num_pairs, chunk)
+        chunk_counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=ids.device)
+        _count_chunks_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, chunk, num_experts, E_PAD=e_pad, ROWS=_ALIGN_ROWS, **options)
+    _place_pairs_kernel[(num_chunks,)](
+        ids, chunk_counts, sorted_pairs, expert_ids, num_padded,
+        num_pairs, chunk, num_chunks, blocks, num_experts,
+        BLOCK_M=block_m, E_PAD=e_pad, ROWS=_ALIGN_ROWS, COUNT_HERE=num_chunks == 1, **options,
+    )  # fmt: skip
+    return ExpertBlocks(sorted_pairs, expert_ids, num_padded, block_m)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, routing_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+    num_pairs, num_blocks, N, K,
+    stride_am, stride_we, stride_wn, stride_om,
+    PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """out[pair, n] = A[pair // PAIRS_PER_A_ROW] . W[expert(pair), n] over one BLOCK_M block of
+    one expert. GATED: W holds [gate; up] (N rows each) and out = SiLU(gate) * up, rounded
+    where transformers rounds; WEIGHTED: out = routing[pair] * the product, rounded once."""
+    if PDL:  # (tested here too: under the interpreter each jit call costs ~5 ms a program)
+        follow_previous(PDL)
+    pid = tl.program_id(0)
+    # GROUP_M blocks in a row share each weight strip while it is in L2 (prefill: many
+    # blocks per expert); with GROUP_M 1 a block's strips follow each other (decode).
+    num_n = (N + BLOCK_N - 1) // BLOCK_N  # (tl.cdiv, sigmoid: jit calls, see above)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    pid_n = (pid % group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_mask = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n[None, :] < N
+    a_ptrs = a_ptr + (pairs // PAIRS_PER_A_ROW).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [K, N] view of W rows
+    up_offset = N.to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        # Weights masked only along the dimensions that need it: unmasked loads vectorise.
+        if EVEN_K:
+            w_mask = n_mask
+        else:
+            w_mask = (offs_k[:, None] < k_left) & n_mask
+        if EVEN_K and EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            if EVEN_K and EVEN_N:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        result = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    elif WEIGHTED:
+        result = (acc * tl.load(routing_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)[:, None]).to(dtype)
+    else:
+        result = acc.to(dtype)
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result, mask=pair_mask[:, None] & n_mask)
+
+
+def _launch_expert_gemm(
+    a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks,
+    n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile,
+) -> None:  # fmt: skip
+    if weight.stride(-1) != 1 or a.stride(-1) != 1:
+        raise ValueError("grouped GEMM needs row-major activations and weights [experts, N, K]")
+    k = weight.shape[-1]
+    num_blocks = blocks.expert_ids.numel()
+    grid = (num_blocks * triton.cdiv(n, tile.block_n),)
+    _expert_gemm_kernel[grid](
+        a, weight, out, routing if routing is not None else out, blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded,
+        out.shape[0], num_blocks, n, k,
+        a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, WEIGHTED=routing is not None,
+        EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=blocks.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl_enabled(a)),
+    )  # fmt: skip
+
+
+def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: GemmTile) -> torch.Tensor:
+    """SiLU(x W_gate[e].T) * (x W_up[e].T) for every pair: [tokens * k, intermediate], row
+    `token * k + slot`; `w_gate_up` is [experts, 2 * intermediate, hidden] (gate rows first),
+    the layout of transformers' `gate_up_proj`."""
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    intermediate = w_gate_up.shape[1] // 2
+    act = torch.empty(hidden.shape[0] * top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
+    _launch_expert_gemm(hidden, w_gate_up, act, None, blocks, intermediate, top_k, True, tile)
+    return act
+
+
+def expert_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, blocks: ExpertBlocks, tile: GemmTile) -> torch.Tensor:
+    """routing weight * (act W_down[e].T) for every pair: [tokens * k, hidden]; `w_down` is
+    [experts, hidden, intermediate] (transformers' `down_proj`)."""
+    out = torch.empty(act.shape[0], w_down.shape[1], dtype=act.dtype, device=act.device)
+    _launch_expert_gemm(act, w_down, out, topk_weights.reshape(-1), blocks, w_down.shape[1], 1, False, tile)
+    return out
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _sum_slots_kernel(
+    per_pair_ptr, ids_ptr, out_ptr, num_tokens, H, num_experts,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    follow_previous(PDL)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (tokens[:, None] < num_tokens) & (offs[None, :] < H)
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = tokens * TOP_K + slot
+        expert = tl.load(ids_ptr + pair, mask=tokens < num_tokens, other=-1)
+        taken = (expert >= 0) & (expert < num_experts)  # a pair placed on no expert adds nothing
+        acc += tl.load(per_pair_ptr + pair[:, None] * H + offs[None, :], mask=mask & taken[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + tokens[:, None] * H + offs[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_slots(per_pair: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[tokens * k, hidden] -> [tokens, hidden]: each token's k expert outputs added in
+    float32 in slot order and rounded once (deterministic, unlike atomic adds)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = per_pair.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
+    block_h = min(_SUM_ELEMENTS, triton.next_power_of_2(hidden))
+    block_t = min(_SUM_ELEMENTS // block_h, triton.next_power_of_2(max(1, num_tokens)))
+    if num_tokens:
+        _sum_slots_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))](
+            per_pair, topk_ids.contiguous(), out, num_tokens, hidden, num_experts,
+            TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, **launch_options(pdl_enabled(per_pair)),
+        )  # fmt: skip
+    return out
+
+
+def fused_moe(
+    hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The experts' output [tokens, hidden] for `hidden` [tokens, hidden] routed to `topk_ids`
+    [tokens, k] with `topk_weights` [tokens, k]; the same as `reference.fused_moe_ref`.
+
+    Weights are laid out as transformers' Qwen3-VL-MoE experts hold them: `w_gate_up`
+    [experts, 2 * intermediate, hidden], `w_down` [experts, hidden, intermediate]. Ids outside
+    [0, experts) (e.g. -1 on a captured batch's padding rows) take no expert and add zero.
+    Capturable in a CUDA graph: no host synchronisation, shapes fixed by the token count.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    config = config or choose_config(num_tokens, hidden.shape[1], intermediate, num_experts, top_k)
+    blocks = moe_align(topk_ids, num_experts, config.block_m)
+    act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up)
+    per_pair = expert_down(act, w_down, topk_weights, blocks, config.down)
+    return sum_slots(per_pair, topk_ids, num_experts)

@@ -1,0 +1,394 @@
+"""The fused-MoE tile sweep: which launch shapes read the experts fastest, per token count.
+
+For each token count (decode batches 1..256, prefill chunks up to 16384) and each candidate
+BLOCK_M, every candidate tile of the gate/up GEMM and of the down GEMM is checked against
+the torch reference and timed on its own; the fastest of each, under the BLOCK_M whose sum
+is least, make the token count's `MoeConfig`, which is then timed as the whole layer
+(align, both GEMMs, the slot sum). A decode step reads the weights of the experts its
+tokens chose, so the figure of merit is those bytes per second as a share of a measured
+device-to-device copy (bytes read + written), the goal of issue 18 being >= 70% at decode
+batches 1, 64 and 256.
+
+Timings are CUDA-graph replays (no launch gaps, as the engine's decode graphs run) of two
+passes over `layers` distinct weight sets and routings, one call each, so that every call
+reads its experts from memory, not from L2 (4 layers of 30B-A3B are 4.8 GB). The kernels
+are compiled first in parallel processes. `write_tuned_table` puts the chosen configs into
+`kernels/fused_moe.py`:
+
+    python -c "from vlmbatch.bench.moe import sweep_moe, format_sweep; print(format_sweep(sweep_moe(json_path='moe_sweep.json')))"
+    python -c "import json; from vlmbatch.bench.moe import write_tuned_table; write_tuned_table(json.load(open('moe_sweep.json')))"
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vlmbatch.engine.layers.moe import select_experts
+from vlmbatch.kernels.fused_moe import (
+    REL_L2_BOUND,
+    SINGLE_PROGRAM_PAIRS,
+    TUNED_CONFIGS,
+    GemmTile,
+    MoeConfig,
+    expert_down,
+    expert_gate_up,
+    fused_moe,
+    moe_align,
+    sum_slots,
+)
+from vlmbatch.kernels.pdl import launches_with_pdl
+from vlmbatch.kernels.reference import fused_moe_ref, moe_down_ref, moe_gate_up_ref
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """The key of `TUNED_CONFIGS`."""
+        return (self.hidden, self.intermediate, self.num_experts, self.top_k)
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """Weights of one expert: gate, up and down."""
+        return 3 * self.hidden * self.intermediate * dtype.itemsize
+
+
+QWEN3_VL_30B_A3B = MoeShape(hidden=2048, intermediate=768, num_experts=128, top_k=8)
+TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+PDL_MAX_TOKENS = 16  # the engine launches decode graphs up to this batch with PDL
+GRAPH_PASSES = 2  # over the layers, in each timed graph (amortises the graph's launch)
+
+# Narrow weight strips while the product is bound by reading weights (few rows an expert;
+# at batch 1 only 8 experts, so strips of 16-32 rows give every SM work), square tiles with
+# L2 grouping once it is bound by the tensor cores. Each tile compiles once per BLOCK_M:
+# ~45 GEMM variants, compiled in parallel processes before the timing (`precompile`).
+DECODE_TILES = (
+    GemmTile(16, 256, 1, 4, 4), GemmTile(32, 256, 1, 4, 4), GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3), GemmTile(128, 128, 1, 4, 3),
+)  # fmt: skip
+PREFILL_TILES = (GemmTile(128, 64, 8, 4, 3), GemmTile(128, 64, 8, 8, 4), GemmTile(128, 128, 8, 8, 3), GemmTile(256, 64, 8, 8, 3))
+
+
+Choices = Callable[[int], list[tuple[int, tuple[GemmTile, ...]]]]
+
+
+def candidates(num_tokens: int) -> list[tuple[int, tuple[GemmTile, ...]]]:
+    """(BLOCK_M, tiles) to try at `num_tokens` (top-8 of 128 experts: 1/16 of the token
+    count lands on an average expert)."""
+    wide = DECODE_TILES[1:]
+    if num_tokens <= 64:
+        return [(16, DECODE_TILES)]
+    if num_tokens <= 256:
+        return [(16, DECODE_TILES), (32, DECODE_TILES)]
+    if num_tokens <= 512:
+        return [(32, DECODE_TILES), (64, wide)]
+    if num_tokens <= 1024:
+        return [(64, wide + PREFILL_TILES)]
+    return [(64, PREFILL_TILES), (128, PREFILL_TILES)]
+
+
+def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of `fn` on the GPU (Triton's do_bench, L2 flushed between calls)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
+def _ms_per_call(fn: Callable[[int], object], layers: int, device: torch.device) -> float:
+    """Milliseconds per `fn(layer)`: GRAPH_PASSES passes over the layers captured in a CUDA
+    graph on a GPU; elsewhere (the interpreter, for tests) one timed pass."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        for layer in range(layers):
+            fn(layer)
+        return 1000 * (time.perf_counter() - started) / layers
+    for layer in range(layers):
+        fn(layer)  # compiles, and warms the allocator, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_PASSES):
+            for layer in range(layers):
+                fn(layer)
+    ms = _ms(graph.replay) / (GRAPH_PASSES * layers)
+    del graph
+    return ms
+
+
+def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: int, block_m: int, tile: dict | None) -> str | None:
+    """(In a worker process) launch the align and sum kernels and, with `tile`, both GEMMs
+    once on empty weights of the real shape, so that Triton compiles them into its on-disk
+    cache; the error, if any (the sweep meets and records it again)."""
+    moe = MoeShape(**shape)
+    dtype = getattr(torch, dtype_name)
+    try:
+        weights, ids = select_experts(torch.randn(num_tokens, moe.num_experts, device=device), moe.top_k)
+        blocks = moe_align(ids, moe.num_experts, block_m)
+        sum_slots(torch.zeros(num_tokens * moe.top_k, moe.hidden, dtype=dtype, device=device), ids, moe.num_experts)
+        if tile is not None:
+            x = torch.zeros(num_tokens, moe.hidden, dtype=dtype, device=device)
+            w_gate_up = torch.empty(moe.num_experts, 2 * moe.intermediate, moe.hidden, dtype=dtype, device=device)
+            w_down = torch.empty(moe.num_experts, moe.hidden, moe.intermediate, dtype=dtype, device=device)
+            act = expert_gate_up(x, w_gate_up, blocks, moe.top_k, GemmTile(**tile))
+            expert_down(act, w_down, weights.to(dtype), blocks, GemmTile(**tile))
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001
+        return f"block_m {block_m} {tile}: {type(error).__name__}"
+    return None
+
+
+def precompile(
+    shape: MoeShape, token_counts: tuple[int, ...], choices: Choices, dtype: torch.dtype, device: torch.device, workers: int, echo: Callable[[str], None]
+) -> None:  # fmt: skip
+    """Compile every candidate in `workers` spawned processes, one job per (BLOCK_M, tile)
+    plus the chunked align of each BLOCK_M: Triton caches the binaries on disk, where this
+    process's first launch of each finds them. One after another they would take most of
+    the sweep."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    gemms: dict[tuple[int, GemmTile], None] = {}
+    chunked_aligns: set[int] = set()
+    for num_tokens in token_counts:
+        for block_m, tiles in choices(num_tokens):
+            gemms.update(dict.fromkeys((block_m, tile) for tile in tiles))
+            if num_tokens * shape.top_k > SINGLE_PROGRAM_PAIRS:
+                chunked_aligns.add(block_m)
+    single, chunked = 1, SINGLE_PROGRAM_PAIRS // shape.top_k + 1  # token counts that take each align variant
+    jobs = [(single, block_m, asdict(tile)) for block_m, tile in gemms] + [(chunked, block_m, None) for block_m in sorted(chunked_aligns)]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_compile_candidate, asdict(shape), str(dtype).removeprefix("torch."), device.type, *job) for job in jobs]
+        errors = [error for future in futures if (error := future.result())]
+    echo(f"[{time.perf_counter() - started:5.0f} s] compiled {len(jobs)} candidates in {workers} processes" + (f"; errors: {errors}" if errors else ""))
+
+
+def copy_tb_s(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (the yardstick)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _ms(lambda: dst.copy_(src)) / 1e9
+
+
+@dataclass
+class _Layer:
+    """One layer's experts with the activations and routing of the token count being swept."""
+
+    x: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+def _make_experts(shape: MoeShape, layers: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random (gate_up, down) weights of `layers` layers, scaled so every stage stays O(1)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    experts = []
+    for _ in range(layers):
+        w_gate_up = torch.randn(shape.num_experts, 2 * shape.intermediate, shape.hidden, generator=gen, device=device).mul_(shape.hidden**-0.5)
+        w_down = torch.randn(shape.num_experts, shape.hidden, shape.intermediate, generator=gen, device=device).mul_(shape.intermediate**-0.5)
+        experts.append((w_gate_up.to(dtype), w_down.to(dtype)))
+    return experts
+
+
+def _route(experts: list[tuple[torch.Tensor, torch.Tensor]], shape: MoeShape, num_tokens: int, dtype: torch.dtype) -> list[_Layer]:
+    """Fresh activations and routings (random router logits through transformers' routing)."""
+    device = experts[0][0].device
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    layers = []
+    for w_gate_up, w_down in experts:
+        x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype)
+        weights, ids = select_experts(torch.randn(num_tokens, shape.num_experts, generator=gen, device=device).to(dtype), shape.top_k)
+        layers.append(_Layer(x, w_gate_up, w_down, weights, ids))
+    return layers
+
+
+def _time_candidate(fn: Callable[[int], torch.Tensor], expected: torch.Tensor, layers: int, device: torch.device) -> dict:
+    """Check (layer 0 against `expected`) then time one launch shape; a shape that cannot
+    run here (too much shared memory, say) is recorded with its error, not fatal."""
+    try:
+        rel_err = _relative_l2(fn(0), expected)
+        if not rel_err <= REL_L2_BOUND[expected.dtype]:
+            return {"us": math.inf, "rel_err": rel_err, "error": "disagrees with the reference"}
+        return {"us": 1000 * _ms_per_call(fn, layers, device), "rel_err": rel_err}
+    except Exception as error:  # noqa: BLE001 - one bad candidate must not lose the others
+        return {"us": math.inf, "rel_err": math.nan, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+
+
+def _sweep_token_count(
+    layers: list[_Layer], shape: MoeShape, num_tokens: int, choices: Choices, copy: float | None, device: torch.device, echo: Callable[[str], None]
+) -> tuple[dict, list[dict]]:  # fmt: skip
+    first = layers[0]
+    act_ref = moe_gate_up_ref(first.x, first.w_gate_up, first.ids)
+    down_ref = moe_down_ref(act_ref, first.w_down, first.weights, first.ids)
+    act_ref, down_ref = act_ref.flatten(0, 1), down_ref.flatten(0, 1)
+    tried: list[dict] = []
+    best: dict | None = None
+    for block_m, tiles in choices(num_tokens):
+        blocks = [moe_align(layer.ids, shape.num_experts, block_m) for layer in layers]
+        stage_best: dict[str, dict] = {}
+        for tile in tiles:
+            gate_up = _time_candidate(
+                lambda i, t=tile: expert_gate_up(layers[i].x, layers[i].w_gate_up, blocks[i], shape.top_k, t), act_ref, len(layers), device
+            )  # fmt: skip
+            # Every layer's down GEMM reads layer 0's reference activations (the same shape:
+            # only layer 0's output is checked).
+            down = _time_candidate(
+                lambda i, t=tile: expert_down(act_ref, layers[i].w_down, layers[i].weights, blocks[i], t), down_ref, len(layers), device
+            )  # fmt: skip
+            for stage, row in (("gate_up", gate_up), ("down", down)):
+                row = {"tokens": num_tokens, "stage": stage, "block_m": block_m, "tile": asdict(tile), **row}
+                tried.append(row)
+                if row["us"] < stage_best.get(stage, {"us": math.inf})["us"]:
+                    stage_best[stage] = row
+        if len(stage_best) == 2:
+            total = stage_best["gate_up"]["us"] + stage_best["down"]["us"]
+            if best is None or total < best["gemm_us"]:
+                best = {"block_m": block_m, "gemm_us": total, "gate_up": stage_best["gate_up"], "down": stage_best["down"]}
+    if best is None:
+        echo(f"tokens {num_tokens}: no candidate ran (see the errors in 'tried')")
+        return {"tokens": num_tokens, "error": "no candidate ran"}, tried
+    config = MoeConfig(best["block_m"], GemmTile(**best["gate_up"]["tile"]), GemmTile(**best["down"]["tile"]))
+    row = _time_config(layers, shape, num_tokens, config, copy, device)
+    row.update(gate_up_us=best["gate_up"]["us"], down_us=best["down"]["us"])
+    return row, tried
+
+
+def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config: MoeConfig, copy: float | None, device: torch.device) -> dict:
+    """The whole layer under `config`: its time, the expert bytes it reads, that as a share of copy bandwidth."""
+    first = layers[0]
+    dtype = first.x.dtype
+    expected = fused_moe_ref(first.x, first.w_gate_up, first.w_down, first.weights, first.ids)
+    rel_err = _relative_l2(fused_moe(first.x, first.w_gate_up, first.w_down, first.weights, first.ids, config), expected)
+
+    def whole(i: int) -> torch.Tensor:
+        layer = layers[i]
+        return fused_moe(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, config)
+
+    us = 1000 * _ms_per_call(whole, len(layers), device)
+    us_pdl = None
+    if num_tokens <= PDL_MAX_TOKENS and device.type == "cuda":
+        with launches_with_pdl(True):
+            us_pdl = 1000 * _ms_per_call(whole, len(layers), device)
+    per_pair = [torch.zeros(num_tokens * shape.top_k, shape.hidden, dtype=dtype, device=device) for _ in layers]
+    align_us = 1000 * _ms_per_call(lambda i: moe_align(layers[i].ids, shape.num_experts, config.block_m), len(layers), device)
+    sum_us = 1000 * _ms_per_call(lambda i: sum_slots(per_pair[i], layers[i].ids, shape.num_experts), len(layers), device)
+    experts_read = sum(int(layer.ids.unique().numel()) for layer in layers) / len(layers)
+    nbytes = experts_read * shape.expert_bytes(dtype)
+    tb_s = nbytes / (us * 1e-6) / 1e12
+    return {
+        "tokens": num_tokens, "config": {"block_m": config.block_m, "gate_up": asdict(config.gate_up), "down": asdict(config.down)},
+        "us": us, "us_pdl": us_pdl, "align_us": align_us, "sum_us": sum_us, "experts_read": experts_read,
+        "expert_mb": nbytes / 1e6, "tb_s": tb_s, "pct_of_copy": 100 * tb_s / copy if copy else None,
+        "rel_err": rel_err, "ok": rel_err <= REL_L2_BOUND[dtype],
+    }  # fmt: skip
+
+
+def sweep_moe(
+    shape: MoeShape = QWEN3_VL_30B_A3B, token_counts: tuple[int, ...] = TOKEN_COUNTS, dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cuda", layers: int = 4, choices: Choices = candidates, json_path: Path | str | None = None,
+    compile_workers: int = 8, echo: Callable[[str], None] = print,
+) -> dict[str, Any]:  # fmt: skip
+    """Sweep the tile candidates (`choices(num_tokens)`) at each token count. Returns (and
+    with `json_path` saves after each token count, so a run cut short keeps what it
+    measured) a JSON-ready dict: `rows`, the chosen config per token count with its
+    timings and bandwidth; `tried`, every candidate's time and error; the run's facts."""
+    device = torch.device(device)
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(), "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape),
+        "layers": layers, "compile_workers": compile_workers, "copy_tb_s": copy_tb_s(device) if device.type == "cuda" else None, "rows": [], "tried": [],
+    }  # fmt: skip
+    if device.type == "cuda" and compile_workers:
+        precompile(shape, token_counts, choices, dtype, device, compile_workers, echo)
+    experts = _make_experts(shape, layers, dtype, device)
+    for num_tokens in token_counts:
+        layer_inputs = _route(experts, shape, num_tokens, dtype)
+        row, tried = _sweep_token_count(layer_inputs, shape, num_tokens, choices, result["copy_tb_s"], device, echo)
+        result["rows"].append(row)
+        result["tried"] += tried
+        result["elapsed_s"] = time.perf_counter() - started
+        echo(f"[{result['elapsed_s']:5.0f} s] tokens {num_tokens}: " + (f"{row['us']:.1f} us, {row['pct_of_copy'] or 0:.0f}% of copy" if "us" in row else row["error"]))
+        if json_path is not None:
+            Path(json_path).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+SWEEP_COLUMNS = ["tokens", "block_m", "gate_up", "down", "us", "us_pdl", "gate_up_us", "down_us", "align_us", "sum_us",
+                 "experts_read", "expert_mb", "tb_s", "pct_of_copy", "rel_err"]  # fmt: skip
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, dict):  # a tile
+        return "/".join(str(value[k]) for k in ("block_n", "block_k", "group_m", "num_warps", "num_stages"))
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return "" if value is None else str(value)
+
+
+def format_sweep(result: dict[str, Any]) -> str:
+    """The chosen configs as a fixed-width table (tiles as block_n/block_k/group_m/warps/stages)."""
+    rows = [{**row, **row.get("config", {})} for row in result["rows"]]
+    cells = [[_cell(row.get(column)) for column in SWEEP_COLUMNS] for row in rows]
+    widths = [max([len(c), *(len(line[i]) for line in cells)]) for i, c in enumerate(SWEEP_COLUMNS)]
+    lines = [f"fused MoE {result['shape']} {result['dtype']} on {result['device']}, copy {_cell(result['copy_tb_s'])} TB/s"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(SWEEP_COLUMNS, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in cells]
+    return "\n".join(lines)
+
+
+_TABLE_BLOCK = re.compile(r"(# >>> tuned tile table[^\n]*\n).*?(# <<< tuned tile table)", re.S)
+
+
+def _tile_source(tile: dict) -> str:
+    return "GemmTile({block_n}, {block_k}, {group_m}, {num_warps}, {num_stages})".format(**tile)
+
+
+def write_tuned_table(result: dict[str, Any], path: Path | str | None = None) -> Path:
+    """Put the sweep's configs into the `TUNED_CONFIGS` block of kernels/fused_moe.py (or
+    `path`), keeping the other shapes' entries; each line notes its measured time."""
+    path = Path(path or importlib.import_module("vlmbatch.kernels.fused_moe").__file__)
+    shape = MoeShape(**result["shape"])
+    tables = {key: {n: (config, "") for n, config in table.items()} for key, table in TUNED_CONFIGS.items()}
+    tables[shape.key] = {}
+    for row in result["rows"]:
+        if "config" in row:
+            config = row["config"]
+            note = f"{row['us']:.1f} us" + (f", {row['pct_of_copy']:.0f}% of copy" if row.get("pct_of_copy") else "")
+            tables[shape.key][row["tokens"]] = (MoeConfig(config["block_m"], GemmTile(**config["gate_up"]), GemmTile(**config["down"])), note)
+    lines = ["TUNED_CONFIGS: dict[tuple[int, int, int, int], dict[int, MoeConfig]] = {"]
+    for key, table in sorted(tables.items()):
+        if key == shape.key:
+            lines.append(f"    # {result['device']}, {result['dtype']}, {result.get('date', '')}: the whole layer's time, expert bytes / time vs copy")
+        lines.append(f"    {key}: {{")
+        for num_tokens, (config, note) in sorted(table.items()):
+            if isinstance(config, MoeConfig):
+                config = asdict(config)
+            source = f"MoeConfig({config['block_m']}, {_tile_source(config['gate_up'])}, {_tile_source(config['down'])})"
+            lines.append(f"        {num_tokens}: {source}," + (f"  # {note}" if note else ""))
+        lines.append("    },")
+    lines.append("}")
+    text = path.read_text()
+    if not _TABLE_BLOCK.search(text):
+        raise ValueError(f"{path} has no '# >>> tuned tile table' block")
+    path.write_text(_TABLE_BLOCK.sub(lambda m: m.group(1) + "\n".join(lines) + "\n" + m.group(2), text, count=1))
+    return path
