@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import follow_previous, launch_options, pdl_enabled
+from .pdl import follow_previous, launch_options, pdl_launch
 
 # moe_align: up to this many (token, slot) pairs one program counts and places them all
 # (one launch); beyond it each program takes a chunk and a first launch counts the chunks.
@@ -195,7 +195,7 @@ def _place_pairs_kernel(
             tl.store(expert_ids_ptr + blocks, owner, mask=blocks < num_blocks)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False) -> ExpertBlocks:
     """Sort the pairs of `topk_ids` [tokens, k] by expert into BLOCK_M-padded runs, on the
     device and without waiting for it (buffers sized by `max_blocks`)."""
     ids = topk_ids.reshape(-1)
@@ -208,7 +208,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertB
         num_padded.zero_()
         return ExpertBlocks(sorted_pairs, expert_ids, num_padded, block_m)
     e_pad = triton.next_power_of_2(num_experts)
-    options = launch_options(pdl_enabled(ids))
+    options = launch_options(pdl)
     if num_pairs <= SINGLE_PROGRAM_PAIRS:
         chunk, num_chunks, chunk_counts = num_pairs, 1, num_padded  # no chunk counts to read
     else:
@@ -296,7 +296,7 @@ def _expert_gemm_kernel(
 
 def _launch_expert_gemm(
     a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks,
-    n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile,
+    n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile, pdl: bool = False,
 ) -> None:  # fmt: skip
     if weight.stride(-1) != 1 or a.stride(-1) != 1:
         raise ValueError("grouped GEMM needs row-major activations and weights [experts, N, K]")
@@ -311,11 +311,12 @@ def _launch_expert_gemm(
         EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=blocks.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl_enabled(a)),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )  # fmt: skip
 
 
-def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: GemmTile) -> torch.Tensor:
+def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: GemmTile,
+                   pdl: bool = False) -> torch.Tensor:
     """SiLU(x W_gate[e].T) * (x W_up[e].T) for every pair: [tokens * k, intermediate], row
     `token * k + slot`; `w_gate_up` is [experts, 2 * intermediate, hidden] (gate rows first),
     the layout of transformers' `gate_up_proj`."""
@@ -323,15 +324,16 @@ def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: Expert
         hidden = hidden.contiguous()
     intermediate = w_gate_up.shape[1] // 2
     act = torch.empty(hidden.shape[0] * top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
-    _launch_expert_gemm(hidden, w_gate_up, act, None, blocks, intermediate, top_k, True, tile)
+    _launch_expert_gemm(hidden, w_gate_up, act, None, blocks, intermediate, top_k, True, tile, pdl)
     return act
 
 
-def expert_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, blocks: ExpertBlocks, tile: GemmTile) -> torch.Tensor:
+def expert_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, blocks: ExpertBlocks, tile: GemmTile,
+                pdl: bool = False) -> torch.Tensor:
     """routing weight * (act W_down[e].T) for every pair: [tokens * k, hidden]; `w_down` is
     [experts, hidden, intermediate] (transformers' `down_proj`)."""
     out = torch.empty(act.shape[0], w_down.shape[1], dtype=act.dtype, device=act.device)
-    _launch_expert_gemm(act, w_down, out, topk_weights.reshape(-1), blocks, w_down.shape[1], 1, False, tile)
+    _launch_expert_gemm(act, w_down, out, topk_weights.reshape(-1), blocks, w_down.shape[1], 1, False, tile, pdl)
     return out
 
 
@@ -353,7 +355,7 @@ def _sum_slots_kernel(
     tl.store(out_ptr + tokens[:, None] * H + offs[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_slots(per_pair: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def sum_slots(per_pair: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, pdl: bool = False) -> torch.Tensor:
     """[tokens * k, hidden] -> [tokens, hidden]: each token's k expert outputs added in
     float32 in slot order and rounded once (deterministic, unlike atomic adds)."""
     num_tokens, top_k = topk_ids.shape
@@ -364,14 +366,14 @@ def sum_slots(per_pair: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) 
     if num_tokens:
         _sum_slots_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))](
             per_pair, topk_ids.contiguous(), out, num_tokens, hidden, num_experts,
-            TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, **launch_options(pdl_enabled(per_pair)),
+            TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, **launch_options(pdl),
         )  # fmt: skip
     return out
 
 
 def fused_moe(
     hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    config: MoeConfig | None = None,
+    config: MoeConfig | None = None, pdl_max_rows: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """The experts' output [tokens, hidden] for `hidden` [tokens, hidden] routed to `topk_ids`
     [tokens, k] with `topk_weights` [tokens, k]; the same as `reference.fused_moe_ref`.
@@ -380,11 +382,13 @@ def fused_moe(
     [experts, 2 * intermediate, hidden], `w_down` [experts, hidden, intermediate]. Ids outside
     [0, experts) (e.g. -1 on a captured batch's padding rows) take no expert and add zero.
     Capturable in a CUDA graph: no host synchronisation, shapes fixed by the token count.
+    `pdl_max_rows`: see `pdl.pdl_launch` (decided once, for the token count, for every kernel here).
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     config = config or choose_config(num_tokens, hidden.shape[1], intermediate, num_experts, top_k)
-    blocks = moe_align(topk_ids, num_experts, config.block_m)
-    act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up)
-    per_pair = expert_down(act, w_down, topk_weights, blocks, config.down)
-    return sum_slots(per_pair, topk_ids, num_experts)
+    pdl = pdl_launch(hidden, pdl_max_rows)
+    blocks = moe_align(topk_ids, num_experts, config.block_m, pdl)
+    act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up, pdl)
+    per_pair = expert_down(act, w_down, topk_weights, blocks, config.down, pdl)
+    return sum_slots(per_pair, topk_ids, num_experts, pdl)

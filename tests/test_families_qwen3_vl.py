@@ -1,4 +1,4 @@
-"""Qwen3-VL (dense) on the CPU in fp32: the paged engine's greedy tokens equal `transformers`'.
+"""Qwen3-VL, dense and mixture-of-experts, on the CPU in fp32: the paged engine's greedy tokens equal `transformers`'.
 
 Fifty mixed requests (text only, up to three images of odd sizes and aspect ratios, a
 timestamped video, exact repeats) through a small KV cache and token budget, so batching,
@@ -21,10 +21,10 @@ from vlmbatch.families.registry import load_adapter
 ODD_WIDTHS, ODD_HEIGHTS = (37, 64, 97, 131, 200), (29, 56, 61, 150)
 
 
-@pytest.fixture(scope="module")
-def qwen3(tiny_model_dir):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def qwen3(request, tiny_model_dir):
     torch.set_num_threads(1)
-    path = str(tiny_model_dir("qwen3_vl"))
+    path = str(tiny_model_dir(request.param))
     return load_adapter(path), load_hf_model(path, torch.float32, torch.device("cpu"))
 
 
