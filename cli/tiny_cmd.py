@@ -7,16 +7,14 @@ from pathlib import Path
 
 import typer
 
+from vlmbatch.families.registry import FAMILIES
 
-class TinyArch(str, Enum):
-    qwen2_5_vl = "qwen2_5_vl"
-    qwen2_vl = "qwen2_vl"
-    llava = "llava"
+TinyArch = Enum("TinyArch", {name: name for name in FAMILIES}, type=str)  # one choice per registered family
 
 
 def make_tiny_model_command(
     directory: Path = typer.Argument(..., metavar="DIR", help="Folder to write the checkpoint into (created if missing)."),
-    arch: TinyArch = typer.Option(TinyArch.qwen2_5_vl, "--arch", help="Model family to imitate."),
+    arch: TinyArch = typer.Option(TinyArch("qwen2_5_vl"), "--arch", help="Model family to imitate."),
     seed: int = typer.Option(0, "--seed", help="Weight seed; the same seed gives byte-identical weights."),
 ) -> None:
     """Write a tiny random-weight checkpoint in Hugging Face layout (config, safetensors,

@@ -14,7 +14,7 @@ from vlmbatch.engine.llm import LLM
 from vlmbatch.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
-ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava"]
+ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe"]
 
 
 def _image(h: int, w: int, seed: int) -> Image.Image:

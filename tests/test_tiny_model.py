@@ -14,7 +14,7 @@ from transformers import AutoProcessor, AutoModelForImageTextToText
 from typer.testing import CliRunner
 
 from vlmbatch.cli.tiny_cmd import register
-from vlmbatch.testing.tiny import make_tiny_model
+from vlmbatch.testing.tiny import ARCHS, make_tiny_model
 
 
 def _image(h: int = 90, w: int = 130, seed: int = 0) -> Image.Image:
@@ -25,7 +25,7 @@ def _sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "llava"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_loads_and_generates_with_an_image(tiny_model_dir, arch):
     path = tiny_model_dir(arch)
     processor = AutoProcessor.from_pretrained(path)
