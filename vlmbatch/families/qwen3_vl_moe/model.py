@@ -26,7 +26,9 @@ def moe_or_dense(cfg: Any, layer: int, kernels: KernelSet) -> nn.Module:
     if not is_sparse(cfg, layer):
         return dense_mlp(cfg, layer, kernels)
     triton_kernels = importlib.import_module("vlmbatch.kernels") if kernels.name == "triton" else None
-    return FusedMoE.from_config(cfg, kernels=triton_kernels)
+    # Built on "meta": loading adopts transformers' expert tensors instead of copying them, so
+    # 30B-A3B's ~57 GB of experts never exist twice on the GPU.
+    return FusedMoE.from_config(cfg, kernels=triton_kernels, device="meta")
 
 
 class Qwen3VLMoeModel(Qwen3VLModel):
