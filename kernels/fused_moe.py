@@ -304,12 +304,16 @@ def _expert_gemm_kernel(
     tl.store(out_ptrs, result, mask=pair_mask[:, None] & n_mask)
 
 
+def _check_row_major(*tensors: torch.Tensor) -> None:
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("the expert kernels need activations and weights [experts, N, K] contiguous along K")
+
+
 def _launch_expert_gemm(
     a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks,
     n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile,
 ) -> None:  # fmt: skip
-    if weight.stride(-1) != 1 or a.stride(-1) != 1:
-        raise ValueError("grouped GEMM needs row-major activations and weights [experts, N, K]")
+    _check_row_major(a, weight)
     k = weight.shape[-1]
     num_blocks = blocks.expert_ids.numel()
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
@@ -450,6 +454,7 @@ def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.
     """`expert_gate_up` without the sort: programs per (token, slot) pair and BLOCK_N columns."""
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
+    _check_row_major(w_gate_up)
     num_experts, two_i, k = w_gate_up.shape
     ids = topk_ids.reshape(-1)
     act = torch.empty(ids.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
@@ -465,6 +470,7 @@ def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.
 
 def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile) -> torch.Tensor:
     """`expert_down` and `sum_slots` in one launch: programs per token and BLOCK_N columns."""
+    _check_row_major(act, w_down)
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, k = w_down.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)

@@ -47,14 +47,15 @@ def routing(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, s
 
 
 def moe_inputs(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0, device: str | None = None, **loads):
-    """Activations, expert weights (scaled so every stage stays O(1)) and a routing, on `device`."""
+    """Activations, expert weights (scaled so every stage stays O(1), drawn on `device`: the
+    30B-A3B experts are 1.2 GB) and a routing."""
     device = device or TARGET.device
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    w_gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) * hidden**-0.5
-    w_down = torch.randn(num_experts, hidden, intermediate, generator=gen) * intermediate**-0.5
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device)
+    w_gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen, device=device).mul_(hidden**-0.5)
+    w_down = torch.randn(num_experts, hidden, intermediate, generator=gen, device=device).mul_(intermediate**-0.5)
     weights, ids = routing(num_tokens, num_experts, top_k, dtype, seed + 1, **loads)
-    return [t.to(device) for t in (x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights)] + [ids.to(device)]
+    return [x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights.to(device), ids.to(device)]
 
 
 def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -177,7 +178,6 @@ def test_align_invariants(case):
         assert used == capacity * block_m
 
 
-
 @needs_kernels
 def test_kernel_sweep_picks_checked_configs_and_writes_the_table(tmp_path):
     """The device sweep end to end on tiny shapes: every candidate checked and timed, the
@@ -188,7 +188,7 @@ def test_kernel_sweep_picks_checked_configs_and_writes_the_table(tmp_path):
     tiles = (GemmTile(64, 64), GemmTile(32, 32, 2))
     choices = {1: [(1, (GemmTile(16, 64),), (GemmTile(32, 32),)), (16, tiles, tiles)], 20: [(16, tiles, tiles), (32, tiles[:1], tiles[:1])]}
     result = sweep_moe(shape, token_counts=(1, 20), dtype=DTYPES[-1], device=TARGET.device, layers=2,
-                       choices=choices.get, json_path=tmp_path / "sweep.json", echo=lambda line: None)  # fmt: skip
+                       choices=choices.get, json_path=tmp_path / "sweep.json", compile_workers=0, echo=lambda line: None)  # fmt: skip
     assert json.loads((tmp_path / "sweep.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     assert len(result["tried"]) == 2 + 4 + 4 + 2 and all(row["rel_err"] <= REL_L2_BOUND[DTYPES[-1]] for row in result["tried"])
     for row in result["rows"]:
@@ -305,6 +305,11 @@ def test_load_from_hf_adopts_or_copies_expert_by_expert():
     from_checkpoint = FusedMoE.from_config(config)
     from_checkpoint.copy_experts(hf_block.experts.gate_up_proj.transpose(1, 2), hf_block.experts.down_proj.transpose(1, 2), transposed=True)
     assert torch.equal(from_checkpoint.gate_up, hf_block.experts.gate_up_proj) and torch.equal(from_checkpoint.down, hf_block.experts.down_proj)
+    # Weights that are not row-major (a transposed view) are copied into row-major ones.
+    hf_block.experts.gate_up_proj.data = hf_block.experts.gate_up_proj.data.transpose(1, 2).contiguous().transpose(1, 2)
+    reordered = FusedMoE.from_config(config, device="meta")
+    reordered.load_from_hf(hf_block)
+    assert reordered.gate_up.is_contiguous() and torch.equal(reordered.gate_up, hf_block.experts.gate_up_proj)
     with pytest.raises(ValueError, match="do not fit"):
         FusedMoE(32, 16, 4, 1).load_from_hf(hf_block)
 

@@ -38,11 +38,13 @@ from vlmbatch.kernels.fused_moe import (
     REL_L2_BOUND,
     SINGLE_PROGRAM_PAIRS,
     TUNED_CONFIGS,
+    ExpertBlocks,
     GemmTile,
     MoeConfig,
     expert_down,
     expert_gate_up,
     fused_moe,
+    max_blocks,
     moe_align,
     pair_gate_up,
     sum_slots,
@@ -150,24 +152,28 @@ def _stage_kernels(block_m: int, shape: MoeShape) -> tuple[Callable, Callable]:
 
 
 def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: int, block_m: int, stage: str, tile: dict | None) -> str | None:
-    """(In a worker process) launch one stage's kernel (and the align and sum kernels the
-    grouped path needs) once on empty weights of the real shape, so that Triton compiles
-    it into its on-disk cache; the error, if any (the sweep meets and records it again)."""
+    """(In a worker process) launch one kernel of a candidate once on empty weights of the
+    real shape, so that Triton compiles it into its on-disk cache: "align" (with the slot
+    sum) or a stage's GEMM, given no expert blocks so that it returns at once. The error,
+    if any (the sweep meets and records it again)."""
     moe = MoeShape(**shape)
     dtype = getattr(torch, dtype_name)
     try:
         weights, ids = select_experts(torch.randn(num_tokens, moe.num_experts, device=device).to(dtype), moe.top_k)
-        blocks = None
-        if block_m > 1:
-            blocks = moe_align(ids, moe.num_experts, block_m)
+        if stage == "align":
+            moe_align(ids, moe.num_experts, block_m)
             sum_slots(torch.zeros(num_tokens * moe.top_k, moe.hidden, dtype=dtype, device=device), ids, moe.num_experts)
-        gate_up, down = _stage_kernels(block_m, moe)
-        if stage == "gate_up":
-            w_gate_up = torch.empty(moe.num_experts, 2 * moe.intermediate, moe.hidden, dtype=dtype, device=device)
-            gate_up(torch.zeros(num_tokens, moe.hidden, dtype=dtype, device=device), w_gate_up, weights, ids, blocks, GemmTile(**tile))
-        elif stage == "down":
-            w_down = torch.empty(moe.num_experts, moe.hidden, moe.intermediate, dtype=dtype, device=device)
-            down(torch.zeros(num_tokens * moe.top_k, moe.intermediate, dtype=dtype, device=device), w_down, weights, ids, blocks, GemmTile(**tile))
+        else:
+            capacity = max_blocks(ids.numel(), moe.num_experts, block_m)
+            no_blocks = ExpertBlocks(torch.empty(capacity * block_m, dtype=torch.int32, device=device), torch.empty(capacity, dtype=torch.int32, device=device),
+                                     torch.zeros(1, dtype=torch.int32, device=device), block_m)  # fmt: skip
+            gate_up, down = _stage_kernels(block_m, moe)
+            if stage == "gate_up":
+                w_gate_up = torch.empty(moe.num_experts, 2 * moe.intermediate, moe.hidden, dtype=dtype, device=device)
+                gate_up(torch.zeros(num_tokens, moe.hidden, dtype=dtype, device=device), w_gate_up, weights, ids, no_blocks, GemmTile(**tile))
+            else:
+                w_down = torch.empty(moe.num_experts, moe.hidden, moe.intermediate, dtype=dtype, device=device)
+                down(torch.zeros(num_tokens * moe.top_k, moe.intermediate, dtype=dtype, device=device), w_down, weights, ids, no_blocks, GemmTile(**tile))
         if device == "cuda":
             torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001
@@ -179,20 +185,21 @@ def precompile(
     shape: MoeShape, token_counts: tuple[int, ...], choices: Choices, dtype: torch.dtype, device: torch.device, workers: int, echo: Callable[[str], None]
 ) -> None:  # fmt: skip
     """Compile every candidate in `workers` spawned processes, one job per (BLOCK_M, stage,
-    tile) plus the chunked align of each BLOCK_M: Triton caches the binaries on disk, where
+    tile) and per variant of the align kernel: Triton caches the binaries on disk, where
     this process's first launch of each finds them. One after another they would take
     most of the sweep."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    single, chunked = 1, SINGLE_PROGRAM_PAIRS // shape.top_k + 1  # token counts that take each align variant
     jobs: dict[tuple[int, int, str, GemmTile | None], None] = {}  # (tokens, BLOCK_M, stage, tile), in order
     for num_tokens in token_counts:
+        # One token count of each align variant (one program, or chunks) stands for all.
+        align_tokens = 1 if num_tokens * shape.top_k <= SINGLE_PROGRAM_PAIRS else SINGLE_PROGRAM_PAIRS // shape.top_k + 1
         for block_m, gate_up_tiles, down_tiles in choices(num_tokens):
-            jobs.update(dict.fromkeys((single, block_m, "gate_up", tile) for tile in gate_up_tiles))
-            jobs.update(dict.fromkeys((single, block_m, "down", tile) for tile in down_tiles))
-            if block_m > 1 and num_tokens * shape.top_k > SINGLE_PROGRAM_PAIRS:
-                jobs[(chunked, block_m, "align", None)] = None
+            jobs.update(dict.fromkeys((1, block_m, "gate_up", tile) for tile in gate_up_tiles))
+            jobs.update(dict.fromkeys((1, block_m, "down", tile) for tile in down_tiles))
+            if block_m > 1:
+                jobs[(align_tokens, block_m, "align", None)] = None
     started = time.perf_counter()
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
