@@ -22,14 +22,16 @@ are compiled first in parallel processes. `write_tuned_table` puts the chosen co
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import json
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -272,6 +274,16 @@ def _fastest(rows: list[dict]) -> dict | None:
     return min(ran, key=lambda row: row["us"]) if ran else None
 
 
+def _stage_runner(stage: str, block_m: int, shape: MoeShape, layers: list[_Layer], act_ref: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """run(layer_index, tile=...) of one stage; every layer's down stage reads layer 0's
+    reference activations (of the same shape: only layer 0's output is checked)."""
+    gate_up, down = _stage_kernels(block_m, shape)
+    blocks = [moe_align(layer.ids, shape.num_experts, block_m) if block_m > 1 else None for layer in layers]
+    if stage == "gate_up":
+        return lambda i, tile: gate_up(layers[i].x, layers[i].w_gate_up, layers[i].weights, layers[i].ids, blocks[i], tile)
+    return lambda i, tile: down(act_ref, layers[i].w_down, layers[i].weights, layers[i].ids, blocks[i], tile)
+
+
 def _sweep_token_count(
     layers: list[_Layer], shape: MoeShape, num_tokens: int, choices: Choices, copy: float | None, device: torch.device, echo: Callable[[str], None]
 ) -> tuple[dict, list[dict]]:  # fmt: skip
@@ -285,18 +297,12 @@ def _sweep_token_count(
     tried: list[dict] = []
     best: tuple[float, MoeConfig, dict, dict] | None = None
     for block_m, gate_up_tiles, down_tiles in choices(num_tokens):
-        gate_up, down = _stage_kernels(block_m, shape)
-        blocks = [moe_align(layer.ids, shape.num_experts, block_m) if block_m > 1 else None for layer in layers]
         stage_rows: dict[str, list[dict]] = {"gate_up": [], "down": []}
-        for stage, tiles in (("gate_up", gate_up_tiles), ("down", down_tiles)):
+        for stage, tiles, expected in (("gate_up", gate_up_tiles, act_ref), ("down", down_tiles, out_ref if block_m == 1 else down_ref)):
+            run = _stage_runner(stage, block_m, shape, layers, act_ref)
             for tile in tiles:
-                if stage == "gate_up":
-                    fn = lambda i, t=tile: gate_up(layers[i].x, layers[i].w_gate_up, layers[i].weights, layers[i].ids, blocks[i], t)  # noqa: E731
-                    expected = act_ref
-                else:  # every layer reads layer 0's reference activations (only layer 0 is checked)
-                    fn = lambda i, t=tile: down(act_ref, layers[i].w_down, layers[i].weights, layers[i].ids, blocks[i], t)  # noqa: E731
-                    expected = out_ref if block_m == 1 else down_ref
-                row = {"tokens": num_tokens, "stage": stage, "block_m": block_m, "tile": asdict(tile), **_time_candidate(fn, expected, len(layers), device)}
+                timing = _time_candidate(functools.partial(run, tile=tile), expected, len(layers), device)
+                row = {"tokens": num_tokens, "stage": stage, "block_m": block_m, "tile": asdict(tile), **timing}
                 stage_rows[stage].append(row)
                 tried.append(row)
         fastest = {stage: _fastest(rows) for stage, rows in stage_rows.items()}
@@ -401,7 +407,7 @@ def format_sweep(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_TABLE_BLOCK = re.compile(r"(# >>> tuned tile table[^\n]*\n).*?(# <<< tuned tile table)", re.S)
+_TABLE_BLOCK = re.compile(r"(# >>> tuned tile table[^\n]*\n).*?(# <<< tuned tile table)", re.DOTALL)
 
 
 def _tile_source(tile: dict) -> str:

@@ -49,7 +49,7 @@ class FusedMoE(nn.Module):
         self.run_experts = kernels.fused_moe if kernels is not None else fused_moe_ref
 
     @classmethod
-    def from_config(cls, text_config: Any, kernels: Any | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "FusedMoE":
+    def from_config(cls, text_config: Any, kernels: Any | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FusedMoE:
         """From a `Qwen3VLMoeTextConfig` (or a Qwen3-MoE-style one). transformers'
         qwen3_vl_moe router always renormalises; its config has no `norm_topk_prob`."""
         return cls(
