@@ -82,7 +82,7 @@ GRAPH_PASSES = 2  # over the layers, in each timed graph (amortises the graph's 
 # at batch 1 only 8 experts, so strips of 16-32 rows give every SM work), square tiles with
 # L2 grouping once it is bound by the tensor cores; for BLOCK_M 1 (the per-pair GEMVs) few
 # rows and long K steps, in as many registers as fit without spilling (ptxas -v, sm_90).
-# Each tile compiles once per BLOCK_M: ~55 variants, compiled in parallel processes first.
+# Each tile compiles once per BLOCK_M: ~60 variants, compiled in parallel processes first.
 DECODE_TILES = (
     GemmTile(16, 256, 1, 4, 4), GemmTile(32, 256, 1, 4, 4), GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3), GemmTile(128, 128, 1, 4, 3),
 )  # fmt: skip
@@ -99,12 +99,15 @@ def candidates(num_tokens: int) -> list[Candidate]:
     an average expert). The per-pair kernels read an expert once per pair that chose it,
     which costs little while few tokens share an expert (8 tokens: 64 pairs on ~50 experts)."""
     wide = DECODE_TILES[1:]
+    # Where an expert often gets two blocks of 16, GROUP_M 2 runs them side by side, so the
+    # second reads each weight strip from L2.
+    paired = (*DECODE_TILES, GemmTile(64, 128, 2, 4, 4))
     if num_tokens <= 8:
         return [(1, PAIR_GATE_UP_TILES, TOKEN_DOWN_TILES), (16, DECODE_TILES, DECODE_TILES)]
     if num_tokens <= 64:
         return [(16, DECODE_TILES, DECODE_TILES)]
     if num_tokens <= 256:
-        return [(16, DECODE_TILES, DECODE_TILES), (32, DECODE_TILES, DECODE_TILES)]
+        return [(16, paired, paired), (32, DECODE_TILES, DECODE_TILES)]
     if num_tokens <= 512:
         return [(32, DECODE_TILES, DECODE_TILES), (64, wide, wide)]
     if num_tokens <= 1024:
