@@ -12,6 +12,13 @@ transformers computes it), four launches do the rest:
 4. `sum_slots`: each token's k weighted expert outputs summed in float32, in slot order
    (deterministic, no atomics), rounded once.
 
+For a handful of tokens (BLOCK_M 1 in the config) two launches do it all: `pair_gate_up`
+gives each (token, slot) pair its own programs (a GEMV, nothing to sort), and `token_down`
+gives each token's programs its k experts' down rows, summed in the kernel. At batch 1,
+reading the 8 experts takes ~18 us at copy bandwidth, so each launch's fixed cost (a few
+us of ramp, tail and gap between kernels) counts; an expert that two pairs chose is read
+twice, which costs little while few tokens share one.
+
 A decode step is bound by reading the weights of the experts its tokens chose (9.4 MB an
 expert at the 30B-A3B shapes), so the work depends on bytes, not FLOPs: grids are sized
 from the worst case of the token count alone (fixed shapes for CUDA graphs; programs past
@@ -49,7 +56,8 @@ REL_L2_BOUND = {torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16: 2.
 
 @dataclass(frozen=True)
 class GemmTile:
-    """Launch shape of one grouped GEMM (BLOCK_M is shared by both and lives in MoeConfig)."""
+    """Launch shape of one expert GEMM (BLOCK_M is shared by both and lives in MoeConfig);
+    the per-pair kernels of BLOCK_M 1 use block_n, block_k and num_warps."""
 
     block_n: int
     block_k: int
@@ -60,6 +68,8 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class MoeConfig:
+    """block_m: the rows of an expert block of the grouped GEMMs, or 1 for the per-pair kernels."""
+
     block_m: int
     gate_up: GemmTile
     down: GemmTile
@@ -294,12 +304,16 @@ def _expert_gemm_kernel(
     tl.store(out_ptrs, result, mask=pair_mask[:, None] & n_mask)
 
 
+def _check_row_major(*tensors: torch.Tensor) -> None:
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("the expert kernels need activations and weights [experts, N, K] contiguous along K")
+
+
 def _launch_expert_gemm(
     a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks,
     n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile, pdl: bool = False,
 ) -> None:  # fmt: skip
-    if weight.stride(-1) != 1 or a.stride(-1) != 1:
-        raise ValueError("grouped GEMM needs row-major activations and weights [experts, N, K]")
+    _check_row_major(a, weight)
     k = weight.shape[-1]
     num_blocks = blocks.expert_ids.numel()
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
@@ -371,6 +385,109 @@ def sum_slots(per_pair: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
     return out
 
 
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr, w_ptr, ids_ptr, act_ptr, N, K, num_experts,
+    stride_xm, stride_we, stride_wn, stride_am,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """act[pair, n] = SiLU(x W_gate[e].T) * (x W_up[e].T) for one pair and BLOCK_N columns:
+    a GEMV over the expert's weight rows (contiguous along K), rounded as the GEMM rounds."""
+    if PDL:
+        follow_previous(PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair)
+    if (expert < 0) | (expert >= num_experts):  # no expert: its row is never read
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n[:, None] < N
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_offset = N.to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = n_mask & k_mask[None, :]
+        acc += tl.sum(tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        acc_up += tl.sum(tl.load(w_rows + up_offset + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+    dtype = act_ptr.dtype.element_ty
+    gate = acc.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, (silu * acc_up.to(dtype).to(tl.float32)).to(dtype), mask=offs_n < N)
+
+
+@triton.jit
+def _token_down_kernel(
+    act_ptr, w_ptr, ids_ptr, routing_ptr, out_ptr, N, K, num_experts,
+    stride_am, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out[token, n] = the sum over its k slots of round(routing * act[pair] W_down[e].T): the
+    down GEMV and the per-token sum in one pass, rounded where the grouped path rounds. The
+    slots are a dimension of the tile, so one token's k experts stream in parallel."""
+    if PDL:
+        follow_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, SLOTS)
+    pairs = token * TOP_K + slots
+    experts = tl.load(ids_ptr + pairs, mask=slots < TOP_K, other=-1)
+    taken = (experts >= 0) & (experts < num_experts)  # no expert: nothing read, nothing added
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.where(taken, experts, 0).to(tl.int64)[:, None, None] * stride_we + offs_n.to(tl.int64)[None, :, None] * stride_wn
+    a_rows = act_ptr + pairs[:, None] * stride_am
+    row_mask = taken[:, None, None] & (offs_n[None, :, None] < N)
+    acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :], mask=taken[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+    weights = tl.load(routing_ptr + pairs, mask=taken, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    per_slot = (acc * weights[:, None]).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + offs_n, tl.sum(per_slot, axis=0).to(dtype), mask=offs_n < N)
+
+
+def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
+                 pdl: bool = False) -> torch.Tensor:
+    """`expert_gate_up` without the sort: programs per (token, slot) pair and BLOCK_N columns."""
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    _check_row_major(w_gate_up)
+    num_experts, two_i, k = w_gate_up.shape
+    ids = topk_ids.reshape(-1)
+    act = torch.empty(ids.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
+    if ids.numel():
+        _pair_gate_up_kernel[(ids.numel(), triton.cdiv(two_i // 2, tile.block_n))](
+            hidden, w_gate_up, ids, act, two_i // 2, k, num_experts,
+            hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+            TOP_K=topk_ids.shape[1], BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, **launch_options(pdl),
+        )  # fmt: skip
+    return act
+
+
+def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
+               pdl: bool = False) -> torch.Tensor:
+    """`expert_down` and `sum_slots` in one launch: programs per token and BLOCK_N columns."""
+    _check_row_major(act, w_down)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, hidden, k = w_down.shape
+    out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
+    if num_tokens:
+        _token_down_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
+            act, w_down, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
+            act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+            TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, **launch_options(pdl),
+        )  # fmt: skip
+    return out
+
+
 def fused_moe(
     hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     config: MoeConfig | None = None, pdl_max_rows: int = 0,
@@ -388,6 +505,9 @@ def fused_moe(
     num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     config = config or choose_config(num_tokens, hidden.shape[1], intermediate, num_experts, top_k)
     pdl = pdl_launch(hidden, pdl_max_rows)
+    if config.block_m == 1:
+        act = pair_gate_up(hidden, w_gate_up, topk_ids, config.gate_up, pdl)
+        return token_down(act, w_down, topk_weights, topk_ids, config.down, pdl)
     blocks = moe_align(topk_ids, num_experts, config.block_m, pdl)
     act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up, pdl)
     per_pair = expert_down(act, w_down, topk_weights, blocks, config.down, pdl)

@@ -22,14 +22,16 @@ are compiled first in parallel processes. `write_tuned_table` puts the chosen co
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import json
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -38,13 +40,17 @@ from vlmbatch.kernels.fused_moe import (
     REL_L2_BOUND,
     SINGLE_PROGRAM_PAIRS,
     TUNED_CONFIGS,
+    ExpertBlocks,
     GemmTile,
     MoeConfig,
     expert_down,
     expert_gate_up,
     fused_moe,
+    max_blocks,
     moe_align,
+    pair_gate_up,
     sum_slots,
+    token_down,
 )
 from vlmbatch.kernels.pdl import launches_with_pdl
 from vlmbatch.kernels.reference import fused_moe_ref, moe_down_ref, moe_gate_up_ref
@@ -74,30 +80,39 @@ GRAPH_PASSES = 2  # over the layers, in each timed graph (amortises the graph's 
 
 # Narrow weight strips while the product is bound by reading weights (few rows an expert;
 # at batch 1 only 8 experts, so strips of 16-32 rows give every SM work), square tiles with
-# L2 grouping once it is bound by the tensor cores. Each tile compiles once per BLOCK_M:
-# ~45 GEMM variants, compiled in parallel processes before the timing (`precompile`).
+# L2 grouping once it is bound by the tensor cores; for BLOCK_M 1 (the per-pair GEMVs) few
+# rows and long K steps, in as many registers as fit without spilling (ptxas -v, sm_90).
+# Each tile compiles once per BLOCK_M: ~60 variants, compiled in parallel processes first.
 DECODE_TILES = (
     GemmTile(16, 256, 1, 4, 4), GemmTile(32, 256, 1, 4, 4), GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3), GemmTile(128, 128, 1, 4, 3),
 )  # fmt: skip
 PREFILL_TILES = (GemmTile(128, 64, 8, 4, 3), GemmTile(128, 64, 8, 8, 4), GemmTile(128, 128, 8, 8, 3), GemmTile(256, 64, 8, 8, 3))
+PAIR_GATE_UP_TILES = (GemmTile(8, 512, 1, 2, 1), GemmTile(8, 1024, 1, 4, 1), GemmTile(16, 256, 1, 4, 1), GemmTile(16, 512, 1, 4, 1))
+TOKEN_DOWN_TILES = (GemmTile(4, 256, 1, 4, 1), GemmTile(8, 128, 1, 4, 1), GemmTile(8, 256, 1, 4, 1), GemmTile(16, 128, 1, 4, 1))
+
+Candidate = tuple[int, tuple[GemmTile, ...], tuple[GemmTile, ...]]  # BLOCK_M, gate/up tiles, down tiles
+Choices = Callable[[int], list[Candidate]]
 
 
-Choices = Callable[[int], list[tuple[int, tuple[GemmTile, ...]]]]
-
-
-def candidates(num_tokens: int) -> list[tuple[int, tuple[GemmTile, ...]]]:
-    """(BLOCK_M, tiles) to try at `num_tokens` (top-8 of 128 experts: 1/16 of the token
-    count lands on an average expert)."""
+def candidates(num_tokens: int) -> list[Candidate]:
+    """What to try at `num_tokens` (top-8 of 128 experts: 1/16 of the token count lands on
+    an average expert). The per-pair kernels read an expert once per pair that chose it,
+    which costs little while few tokens share an expert (8 tokens: 64 pairs on ~50 experts)."""
     wide = DECODE_TILES[1:]
+    # Where an expert often gets two blocks of 16, GROUP_M 2 runs them side by side, so the
+    # second reads each weight strip from L2.
+    paired = (*DECODE_TILES, GemmTile(64, 128, 2, 4, 4))
+    if num_tokens <= 8:
+        return [(1, PAIR_GATE_UP_TILES, TOKEN_DOWN_TILES), (16, DECODE_TILES, DECODE_TILES)]
     if num_tokens <= 64:
-        return [(16, DECODE_TILES)]
+        return [(16, DECODE_TILES, DECODE_TILES)]
     if num_tokens <= 256:
-        return [(16, DECODE_TILES), (32, DECODE_TILES)]
+        return [(16, paired, paired), (32, DECODE_TILES, DECODE_TILES)]
     if num_tokens <= 512:
-        return [(32, DECODE_TILES), (64, wide)]
+        return [(32, DECODE_TILES, DECODE_TILES), (64, wide, wide)]
     if num_tokens <= 1024:
-        return [(64, wide + PREFILL_TILES)]
-    return [(64, PREFILL_TILES), (128, PREFILL_TILES)]
+        return [(64, wide + PREFILL_TILES, wide + PREFILL_TILES)]
+    return [(64, PREFILL_TILES, PREFILL_TILES), (128, PREFILL_TILES, PREFILL_TILES)]
 
 
 def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -131,52 +146,76 @@ def _ms_per_call(fn: Callable[[int], object], layers: int, device: torch.device)
     return ms
 
 
-def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: int, block_m: int, tile: dict | None) -> str | None:
-    """(In a worker process) launch the align and sum kernels and, with `tile`, both GEMMs
-    once on empty weights of the real shape, so that Triton compiles them into its on-disk
-    cache; the error, if any (the sweep meets and records it again)."""
+def _stage_kernels(block_m: int, shape: MoeShape) -> tuple[Callable, Callable]:
+    """(gate_up(x, w, weights, ids, blocks, tile), down(act, w, weights, ids, blocks, tile))
+    of a BLOCK_M: the per-pair kernels (whose down adds the slots too) or the grouped GEMMs."""
+    if block_m == 1:
+        return (lambda x, w, weights, ids, blocks, tile: pair_gate_up(x, w, ids, tile),
+                lambda act, w, weights, ids, blocks, tile: token_down(act, w, weights, ids, tile))  # fmt: skip
+    return (lambda x, w, weights, ids, blocks, tile: expert_gate_up(x, w, blocks, shape.top_k, tile),
+            lambda act, w, weights, ids, blocks, tile: expert_down(act, w, weights, blocks, tile))  # fmt: skip
+
+
+def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: int, block_m: int, stage: str, tile: dict | None) -> str | None:
+    """(In a worker process) launch one kernel of a candidate once on empty weights of the
+    real shape, so that Triton compiles it into its on-disk cache: "align" (with the slot
+    sum) or a stage's GEMM, given no expert blocks so that it returns at once. The error,
+    if any (the sweep meets and records it again)."""
     moe = MoeShape(**shape)
     dtype = getattr(torch, dtype_name)
     try:
-        weights, ids = select_experts(torch.randn(num_tokens, moe.num_experts, device=device), moe.top_k)
-        blocks = moe_align(ids, moe.num_experts, block_m)
-        sum_slots(torch.zeros(num_tokens * moe.top_k, moe.hidden, dtype=dtype, device=device), ids, moe.num_experts)
-        if tile is not None:
-            x = torch.zeros(num_tokens, moe.hidden, dtype=dtype, device=device)
-            w_gate_up = torch.empty(moe.num_experts, 2 * moe.intermediate, moe.hidden, dtype=dtype, device=device)
-            w_down = torch.empty(moe.num_experts, moe.hidden, moe.intermediate, dtype=dtype, device=device)
-            act = expert_gate_up(x, w_gate_up, blocks, moe.top_k, GemmTile(**tile))
-            expert_down(act, w_down, weights.to(dtype), blocks, GemmTile(**tile))
+        weights, ids = select_experts(torch.randn(num_tokens, moe.num_experts, device=device).to(dtype), moe.top_k)
+        if stage == "align":
+            moe_align(ids, moe.num_experts, block_m)
+            sum_slots(torch.zeros(num_tokens * moe.top_k, moe.hidden, dtype=dtype, device=device), ids, moe.num_experts)
+        else:
+            capacity = max_blocks(ids.numel(), moe.num_experts, block_m)
+            no_blocks = ExpertBlocks(torch.empty(capacity * block_m, dtype=torch.int32, device=device), torch.empty(capacity, dtype=torch.int32, device=device),
+                                     torch.zeros(1, dtype=torch.int32, device=device), block_m)  # fmt: skip
+            gate_up, down = _stage_kernels(block_m, moe)
+            if stage == "gate_up":
+                w_gate_up = torch.empty(moe.num_experts, 2 * moe.intermediate, moe.hidden, dtype=dtype, device=device)
+                gate_up(torch.zeros(num_tokens, moe.hidden, dtype=dtype, device=device), w_gate_up, weights, ids, no_blocks, GemmTile(**tile))
+            else:
+                w_down = torch.empty(moe.num_experts, moe.hidden, moe.intermediate, dtype=dtype, device=device)
+                down(torch.zeros(num_tokens * moe.top_k, moe.intermediate, dtype=dtype, device=device), w_down, weights, ids, no_blocks, GemmTile(**tile))
         if device == "cuda":
             torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001
-        return f"block_m {block_m} {tile}: {type(error).__name__}"
+        return f"block_m {block_m} {stage} {tile}: {type(error).__name__}"
     return None
 
 
 def precompile(
     shape: MoeShape, token_counts: tuple[int, ...], choices: Choices, dtype: torch.dtype, device: torch.device, workers: int, echo: Callable[[str], None]
 ) -> None:  # fmt: skip
-    """Compile every candidate in `workers` spawned processes, one job per (BLOCK_M, tile)
-    plus the chunked align of each BLOCK_M: Triton caches the binaries on disk, where this
-    process's first launch of each finds them. One after another they would take most of
-    the sweep."""
+    """Compile every candidate in `workers` spawned processes, one job per (BLOCK_M, stage,
+    tile) and per variant of the align kernel: Triton caches the binaries on disk, where
+    this process's first launch of each finds them. One after another they would take
+    most of the sweep."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    gemms: dict[tuple[int, GemmTile], None] = {}
-    chunked_aligns: set[int] = set()
+    jobs: dict[tuple[int, int, str, GemmTile | None], None] = {}  # (tokens, BLOCK_M, stage, tile), in order
     for num_tokens in token_counts:
-        for block_m, tiles in choices(num_tokens):
-            gemms.update(dict.fromkeys((block_m, tile) for tile in tiles))
-            if num_tokens * shape.top_k > SINGLE_PROGRAM_PAIRS:
-                chunked_aligns.add(block_m)
-    single, chunked = 1, SINGLE_PROGRAM_PAIRS // shape.top_k + 1  # token counts that take each align variant
-    jobs = [(single, block_m, asdict(tile)) for block_m, tile in gemms] + [(chunked, block_m, None) for block_m in sorted(chunked_aligns)]
+        # One token count of each align variant (one program, or chunks) stands for all.
+        align_tokens = 1 if num_tokens * shape.top_k <= SINGLE_PROGRAM_PAIRS else SINGLE_PROGRAM_PAIRS // shape.top_k + 1
+        for block_m, gate_up_tiles, down_tiles in choices(num_tokens):
+            jobs.update(dict.fromkeys((1, block_m, "gate_up", tile) for tile in gate_up_tiles))
+            jobs.update(dict.fromkeys((1, block_m, "down", tile) for tile in down_tiles))
+            if block_m > 1:
+                jobs[(align_tokens, block_m, "align", None)] = None
     started = time.perf_counter()
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_compile_candidate, asdict(shape), str(dtype).removeprefix("torch."), device.type, *job) for job in jobs]
-        errors = [error for future in futures if (error := future.result())]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [
+                pool.submit(_compile_candidate, asdict(shape), str(dtype).removeprefix("torch."), device.type, tokens, block_m, stage, tile and asdict(tile))
+                for tokens, block_m, stage, tile in jobs
+            ]  # fmt: skip
+            errors = [error for future in futures if (error := future.result())]
+    except Exception as error:  # noqa: BLE001 - e.g. a __main__ that spawned processes cannot import
+        echo(f"precompile failed ({type(error).__name__}: {error}); each kernel compiles when first timed")
+        return
     echo(f"[{time.perf_counter() - started:5.0f} s] compiled {len(jobs)} candidates in {workers} processes" + (f"; errors: {errors}" if errors else ""))
 
 
@@ -233,64 +272,79 @@ def _time_candidate(fn: Callable[[int], torch.Tensor], expected: torch.Tensor, l
         return {"us": math.inf, "rel_err": math.nan, "error": f"{type(error).__name__}: {str(error)[:200]}"}
 
 
+def _fastest(rows: list[dict]) -> dict | None:
+    ran = [row for row in rows if math.isfinite(row["us"])]
+    return min(ran, key=lambda row: row["us"]) if ran else None
+
+
+def _stage_runner(stage: str, block_m: int, shape: MoeShape, layers: list[_Layer], act_ref: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """run(layer_index, tile=...) of one stage; every layer's down stage reads layer 0's
+    reference activations (of the same shape: only layer 0's output is checked)."""
+    gate_up, down = _stage_kernels(block_m, shape)
+    blocks = [moe_align(layer.ids, shape.num_experts, block_m) if block_m > 1 else None for layer in layers]
+    if stage == "gate_up":
+        return lambda i, tile: gate_up(layers[i].x, layers[i].w_gate_up, layers[i].weights, layers[i].ids, blocks[i], tile)
+    return lambda i, tile: down(act_ref, layers[i].w_down, layers[i].weights, layers[i].ids, blocks[i], tile)
+
+
 def _sweep_token_count(
     layers: list[_Layer], shape: MoeShape, num_tokens: int, choices: Choices, copy: float | None, device: torch.device, echo: Callable[[str], None]
 ) -> tuple[dict, list[dict]]:  # fmt: skip
+    """Per BLOCK_M the fastest checked tile of each stage; of those configs, the one whose
+    whole layer is fastest (the align and sum launches differ between them)."""
     first = layers[0]
     act_ref = moe_gate_up_ref(first.x, first.w_gate_up, first.ids)
     down_ref = moe_down_ref(act_ref, first.w_down, first.weights, first.ids)
+    out_ref = down_ref.float().sum(dim=1).to(down_ref.dtype)  # what fused_moe_ref returns
     act_ref, down_ref = act_ref.flatten(0, 1), down_ref.flatten(0, 1)
     tried: list[dict] = []
-    best: dict | None = None
-    for block_m, tiles in choices(num_tokens):
-        blocks = [moe_align(layer.ids, shape.num_experts, block_m) for layer in layers]
-        stage_best: dict[str, dict] = {}
-        for tile in tiles:
-            gate_up = _time_candidate(
-                lambda i, t=tile: expert_gate_up(layers[i].x, layers[i].w_gate_up, blocks[i], shape.top_k, t), act_ref, len(layers), device
-            )  # fmt: skip
-            # Every layer's down GEMM reads layer 0's reference activations (the same shape:
-            # only layer 0's output is checked).
-            down = _time_candidate(
-                lambda i, t=tile: expert_down(act_ref, layers[i].w_down, layers[i].weights, blocks[i], t), down_ref, len(layers), device
-            )  # fmt: skip
-            for stage, row in (("gate_up", gate_up), ("down", down)):
-                row = {"tokens": num_tokens, "stage": stage, "block_m": block_m, "tile": asdict(tile), **row}
+    best: tuple[float, MoeConfig, dict, dict] | None = None
+    for block_m, gate_up_tiles, down_tiles in choices(num_tokens):
+        stage_rows: dict[str, list[dict]] = {"gate_up": [], "down": []}
+        for stage, tiles, expected in (("gate_up", gate_up_tiles, act_ref), ("down", down_tiles, out_ref if block_m == 1 else down_ref)):
+            run = _stage_runner(stage, block_m, shape, layers, act_ref)
+            for tile in tiles:
+                timing = _time_candidate(functools.partial(run, tile=tile), expected, len(layers), device)
+                row = {"tokens": num_tokens, "stage": stage, "block_m": block_m, "tile": asdict(tile), **timing}
+                stage_rows[stage].append(row)
                 tried.append(row)
-                if row["us"] < stage_best.get(stage, {"us": math.inf})["us"]:
-                    stage_best[stage] = row
-        if len(stage_best) == 2:
-            total = stage_best["gate_up"]["us"] + stage_best["down"]["us"]
-            if best is None or total < best["gemm_us"]:
-                best = {"block_m": block_m, "gemm_us": total, "gate_up": stage_best["gate_up"], "down": stage_best["down"]}
+        fastest = {stage: _fastest(rows) for stage, rows in stage_rows.items()}
+        if None in fastest.values():
+            continue
+        config = MoeConfig(block_m, GemmTile(**fastest["gate_up"]["tile"]), GemmTile(**fastest["down"]["tile"]))
+        whole_us = 1000 * _ms_per_call(lambda i, c=config: _whole_layer(layers[i], c), len(layers), device)
+        if best is None or whole_us < best[0]:
+            best = (whole_us, config, fastest["gate_up"], fastest["down"])
     if best is None:
         echo(f"tokens {num_tokens}: no candidate ran (see the errors in 'tried')")
         return {"tokens": num_tokens, "error": "no candidate ran"}, tried
-    config = MoeConfig(best["block_m"], GemmTile(**best["gate_up"]["tile"]), GemmTile(**best["down"]["tile"]))
+    _, config, gate_up_row, down_row = best
     row = _time_config(layers, shape, num_tokens, config, copy, device)
-    row.update(gate_up_us=best["gate_up"]["us"], down_us=best["down"]["us"])
+    row.update(gate_up_us=gate_up_row["us"], down_us=down_row["us"])
     return row, tried
 
 
+def _whole_layer(layer: _Layer, config: MoeConfig) -> torch.Tensor:
+    return fused_moe(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, config)
+
+
 def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config: MoeConfig, copy: float | None, device: torch.device) -> dict:
-    """The whole layer under `config`: its time, the expert bytes it reads, that as a share of copy bandwidth."""
+    """The whole layer under `config`: its time (with PDL too, at decode sizes the engine
+    launches so), its align and sum launches, the expert bytes it reads, and those bytes
+    per second as a share of copy bandwidth."""
     first = layers[0]
     dtype = first.x.dtype
     expected = fused_moe_ref(first.x, first.w_gate_up, first.w_down, first.weights, first.ids)
-    rel_err = _relative_l2(fused_moe(first.x, first.w_gate_up, first.w_down, first.weights, first.ids, config), expected)
-
-    def whole(i: int) -> torch.Tensor:
-        layer = layers[i]
-        return fused_moe(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, config)
-
-    us = 1000 * _ms_per_call(whole, len(layers), device)
-    us_pdl = None
+    rel_err = _relative_l2(_whole_layer(first, config), expected)
+    us = 1000 * _ms_per_call(lambda i: _whole_layer(layers[i], config), len(layers), device)
+    us_pdl = align_us = sum_us = None
     if num_tokens <= PDL_MAX_TOKENS and device.type == "cuda":
         with launches_with_pdl(True):
-            us_pdl = 1000 * _ms_per_call(whole, len(layers), device)
-    per_pair = [torch.zeros(num_tokens * shape.top_k, shape.hidden, dtype=dtype, device=device) for _ in layers]
-    align_us = 1000 * _ms_per_call(lambda i: moe_align(layers[i].ids, shape.num_experts, config.block_m), len(layers), device)
-    sum_us = 1000 * _ms_per_call(lambda i: sum_slots(per_pair[i], layers[i].ids, shape.num_experts), len(layers), device)
+            us_pdl = 1000 * _ms_per_call(lambda i: _whole_layer(layers[i], config), len(layers), device)
+    if config.block_m > 1:
+        per_pair = torch.zeros(num_tokens * shape.top_k, shape.hidden, dtype=dtype, device=device)
+        align_us = 1000 * _ms_per_call(lambda i: moe_align(layers[i].ids, shape.num_experts, config.block_m), len(layers), device)
+        sum_us = 1000 * _ms_per_call(lambda i: sum_slots(per_pair, layers[i].ids, shape.num_experts), len(layers), device)
     experts_read = sum(int(layer.ids.unique().numel()) for layer in layers) / len(layers)
     nbytes = experts_read * shape.expert_bytes(dtype)
     tb_s = nbytes / (us * 1e-6) / 1e12
@@ -305,7 +359,7 @@ def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config:
 def sweep_moe(
     shape: MoeShape = QWEN3_VL_30B_A3B, token_counts: tuple[int, ...] = TOKEN_COUNTS, dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cuda", layers: int = 4, choices: Choices = candidates, json_path: Path | str | None = None,
-    compile_workers: int = 8, echo: Callable[[str], None] = print,
+    compile_workers: int = 12, echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:  # fmt: skip
     """Sweep the tile candidates (`choices(num_tokens)`) at each token count. Returns (and
     with `json_path` saves after each token count, so a run cut short keeps what it
@@ -356,7 +410,7 @@ def format_sweep(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_TABLE_BLOCK = re.compile(r"(# >>> tuned tile table[^\n]*\n).*?(# <<< tuned tile table)", re.S)
+_TABLE_BLOCK = re.compile(r"(# >>> tuned tile table[^\n]*\n).*?(# <<< tuned tile table)", re.DOTALL)
 
 
 def _tile_source(tile: dict) -> str:

@@ -49,7 +49,7 @@ class FusedMoE(nn.Module):
         self.run_experts = kernels.fused_moe if kernels is not None else fused_moe_ref
 
     @classmethod
-    def from_config(cls, text_config: Any, kernels: Any | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "FusedMoE":
+    def from_config(cls, text_config: Any, kernels: Any | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FusedMoE:
         """From a `Qwen3VLMoeTextConfig` (or a Qwen3-MoE-style one). transformers'
         qwen3_vl_moe router always renormalises; its config has no `norm_topk_prob`."""
         return cls(
@@ -65,16 +65,21 @@ class FusedMoE(nn.Module):
     def load_from_hf(self, block: nn.Module) -> None:
         """Take the weights of a transformers `Qwen3VLMoeTextSparseMoeBlock` without two full
         copies of the experts: a block built on "meta" adopts transformers' tensors (shared
-        storage); a materialised one copies them in, one expert at a time."""
+        storage; the kernels need them row-major, else they are copied to new ones); a
+        materialised block copies them in, one expert at a time."""
         gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
         if gate_up.shape != self.gate_up.shape or down.shape != self.down.shape:
             raise ValueError(f"expert weights {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit this block's {tuple(self.gate_up.shape)} / {tuple(self.down.shape)}")
         if self.gate_up.is_meta:
             self.gate.weight = nn.Parameter(block.gate.weight.detach(), requires_grad=False)
-            self.gate_up = nn.Parameter(gate_up.detach(), requires_grad=False)
-            self.down = nn.Parameter(down.detach(), requires_grad=False)
-            return
-        self.gate.weight.copy_(block.gate.weight)
+            if gate_up.is_contiguous() and down.is_contiguous():
+                self.gate_up = nn.Parameter(gate_up.detach(), requires_grad=False)
+                self.down = nn.Parameter(down.detach(), requires_grad=False)
+                return
+            self.gate_up = nn.Parameter(torch.empty_like(gate_up, memory_format=torch.contiguous_format), requires_grad=False)
+            self.down = nn.Parameter(torch.empty_like(down, memory_format=torch.contiguous_format), requires_grad=False)
+        else:
+            self.gate.weight.copy_(block.gate.weight)
         self.copy_experts(gate_up, down)
 
     @torch.no_grad()

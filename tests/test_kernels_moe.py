@@ -1,0 +1,355 @@
+"""The fused mixture-of-experts kernels against their torch reference, and the engine's
+`FusedMoE` block against transformers' Qwen3-VL-MoE sparse block.
+
+Kernel cases (`test_kernel_*`, `test_align_*`) run on a CUDA GPU, or on the CPU under
+TRITON_INTERPRET=1 in fp32/fp16 (the interpreter's bf16 `tl.dot` is wrong): when this
+process cannot run them, `test_kernels_run_under_the_triton_interpreter` runs them in a
+fresh interpreter process, as test_kernels_interpreter.py does for the other kernels.
+The block-vs-transformers cases are plain torch, float32, on the CPU. The `gpu` cases run
+the 30B-A3B shapes in bf16 and under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vlmbatch.kernels as kernels
+from vlmbatch.engine.layers.moe import FusedMoE, select_experts
+from vlmbatch.kernels.fused_moe import REL_L2_BOUND, GemmTile, MoeConfig, fused_moe, max_blocks, moe_align
+from vlmbatch.kernels.pdl import launches_with_pdl
+from vlmbatch.kernels.reference import fused_moe_ref
+from vlmbatch.kernels.testing import TOLERANCE, kernel_target
+
+TARGET = kernel_target()
+needs_kernels = pytest.mark.skipif(TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_run_under_the_triton_interpreter runs them so)")
+DTYPES = TARGET.dtypes if TARGET else ()
+SMALL_TILES = MoeConfig(16, GemmTile(32, 32), GemmTile(32, 32))
+PER_PAIR = MoeConfig(1, GemmTile(16, 32), GemmTile(8, 16))  # the GEMV kernels of a handful of tokens
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int, hot: int | None = None, idle: tuple[int, ...] = ()):
+    """(weights, ids) routed as the model routes, from random logits; `hot` is in every
+    token's top-k, `idle` experts in none."""
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(seed))
+    if hot is not None:
+        logits[:, hot] += 100.0
+    logits[:, list(idle)] = float("-inf")
+    weights, ids = select_experts(logits, top_k)
+    return weights.to(dtype), ids
+
+
+def moe_inputs(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0, device: str | None = None, **loads):
+    """Activations, expert weights (scaled so every stage stays O(1), drawn on `device`: the
+    30B-A3B experts are 1.2 GB) and a routing."""
+    device = device or TARGET.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device)
+    w_gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen, device=device).mul_(hidden**-0.5)
+    w_down = torch.randn(num_experts, hidden, intermediate, generator=gen, device=device).mul_(intermediate**-0.5)
+    weights, ids = routing(num_tokens, num_experts, top_k, dtype, seed + 1, **loads)
+    return [x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights.to(device), ids.to(device)]
+
+
+def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def assert_matches_reference(inputs: list[torch.Tensor], config: MoeConfig | None) -> torch.Tensor:
+    out = fused_moe(*inputs, config=config)
+    expected = fused_moe_ref(*inputs)
+    assert relative_l2(out, expected) < REL_L2_BOUND[out.dtype]
+    atol, rtol = TOLERANCE[out.dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    return out
+
+
+# ---- kernels against the reference ------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, block_m", [(1, 16), (7, 16), (64, 16), (300, 32), (1, 1), (7, 1)])
+def test_kernel_matches_reference(dtype, num_tokens, block_m):
+    inputs = moe_inputs(num_tokens, 8, 2, 64, 32, dtype, seed=num_tokens)
+    assert_matches_reference(inputs, MoeConfig(block_m, GemmTile(32, 32), GemmTile(64, 32)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("top_k, num_tokens, block_m", [(1, 64, 16), (8, 7, 16), (8, 100, 32), (1, 3, 1), (8, 3, 1)])
+def test_kernel_top_k(top_k, num_tokens, block_m):
+    inputs = moe_inputs(num_tokens, 12, top_k, 32, 32, DTYPES[0], seed=top_k)
+    assert_matches_reference(inputs, MoeConfig(block_m, GemmTile(32, 32), GemmTile(32, 32)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_uneven_loads(dtype):
+    """One expert in every token's top-2 (it takes half of all pairs, over many blocks),
+    three experts taking none."""
+    inputs = moe_inputs(40, 8, 2, 32, 32, dtype, seed=5, hot=3, idle=(0, 5, 7))
+    ids = inputs[-1]
+    assert (ids == 3).sum() == 40 and not torch.isin(ids, torch.tensor([0, 5, 7], device=ids.device)).any()
+    assert_matches_reference(inputs, SMALL_TILES)
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", [SMALL_TILES, PER_PAIR], ids=["grouped", "per pair"])
+def test_kernel_pairs_on_no_expert_add_nothing(config):
+    """Ids outside [0, experts) (a captured batch's padding rows) take no expert."""
+    x, w_gate_up, w_down, weights, ids = moe_inputs(6, 8, 2, 32, 32, DTYPES[0], seed=6)
+    ids[1] = -1
+    ids[4, 1] = 8
+    weights[1] = float("nan")  # never read
+    out = assert_matches_reference([x, w_gate_up, w_down, weights, ids], config)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@needs_kernels
+def test_kernel_ragged_tiles_and_grouping():
+    """hidden and intermediate not multiples of the tiles (masked K and N), GROUP_M > 1,
+    and the table-or-default launch shape."""
+    inputs = moe_inputs(50, 6, 2, 40, 24, DTYPES[0], seed=7, hot=1)
+    assert_matches_reference(inputs, MoeConfig(16, GemmTile(16, 32, group_m=4), GemmTile(32, 16, group_m=2)))
+    assert_matches_reference(inputs, None)
+    x, w_gate_up, w_down, weights, ids = inputs
+    assert_matches_reference([x[:3], w_gate_up, w_down, weights[:3], ids[:3]], PER_PAIR)
+
+
+@needs_kernels
+def test_kernel_block_matches_the_torch_block():
+    """`FusedMoE` on the kernels and on the reference, with the same weights."""
+    torch_block = FusedMoE(32, 16, 6, 2, device=TARGET.device, dtype=DTYPES[0])
+    kernel_block = FusedMoE(32, 16, 6, 2, kernels=kernels, device=TARGET.device, dtype=DTYPES[0])
+    x, w_gate_up, w_down, _, _ = moe_inputs(9, 6, 2, 32, 16, DTYPES[0], seed=8)
+    for block in (torch_block, kernel_block):
+        block.gate.weight.copy_(torch.randn(6, 32, generator=torch.Generator().manual_seed(9)).to(block.gate.weight))
+        block.copy_experts(w_gate_up, w_down)
+    atol, rtol = TOLERANCE[DTYPES[0]]
+    torch.testing.assert_close(kernel_block(x), torch_block(x), atol=atol, rtol=rtol)
+
+
+def expected_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The align contract, written out: experts in order, each with its pairs in ascending
+    order padded by the sentinel (the pair count) to a multiple of block_m."""
+    flat = topk_ids.reshape(-1).cpu()
+    sorted_pairs, expert_ids = [], []
+    for expert in range(num_experts):
+        pairs = torch.nonzero(flat == expert).flatten().to(torch.int32)
+        padding = -len(pairs) % block_m
+        sorted_pairs += [pairs, torch.full((padding,), len(flat), dtype=torch.int32)]
+        expert_ids += [expert] * ((len(pairs) + padding) // block_m)
+    return torch.cat(sorted_pairs), torch.tensor(expert_ids, dtype=torch.int32)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "case",
+    ["one token", "single program", "chunks", "experts not a power of two", "ids on no expert", "worst case"],
+)
+def test_align_invariants(case):
+    num_experts, block_m = {"experts not a power of two": (6, 16), "worst case": (8, 4)}.get(case, (16, 16))
+    if case == "worst case":  # every expert used, one takes the rest: the buffers fill exactly
+        ids = torch.cat([torch.arange(num_experts), torch.zeros(3 * block_m, dtype=torch.int64)])[:, None]
+    else:
+        num_tokens, top_k = {"one token": (1, 8), "single program": (60, 4), "chunks": (700, 4)}.get(case, (45, 3))
+        _, ids = routing(num_tokens, num_experts, top_k, torch.float32, seed=len(case), hot=1 if case == "chunks" else None)
+        if case == "ids on no expert":
+            ids[::4] = -1
+            ids[1, 0] = num_experts
+    ids = ids.to(TARGET.device)
+    blocks = moe_align(ids, num_experts, block_m)
+    capacity = max_blocks(ids.numel(), num_experts, block_m)
+    assert blocks.expert_ids.shape == (capacity,) and blocks.sorted_pairs.shape == (capacity * block_m,)
+    sorted_pairs, expert_ids = expected_blocks(ids, num_experts, block_m)
+    used = int(blocks.num_padded)
+    assert used == len(sorted_pairs)
+    assert torch.equal(blocks.sorted_pairs[:used].cpu(), sorted_pairs)
+    assert torch.equal(blocks.expert_ids[: used // block_m].cpu(), expert_ids)
+    assert (blocks.expert_ids[used // block_m :] == -1).all()
+    if case == "worst case":
+        assert used == capacity * block_m
+
+
+@needs_kernels
+def test_kernel_sweep_picks_checked_configs_and_writes_the_table(tmp_path):
+    """The device sweep end to end on tiny shapes: every candidate checked and timed, the
+    fastest kept per token count, the table written back as source that rebuilds them."""
+    from vlmbatch.bench.moe import MoeShape, format_sweep, sweep_moe, write_tuned_table
+
+    shape = MoeShape(hidden=64, intermediate=32, num_experts=8, top_k=2)
+    tiles = (GemmTile(64, 64), GemmTile(32, 32, 2))
+    choices = {1: [(1, (GemmTile(16, 64),), (GemmTile(32, 32),)), (16, tiles, tiles)], 20: [(16, tiles, tiles), (32, tiles[:1], tiles[:1])]}
+    result = sweep_moe(shape, token_counts=(1, 20), dtype=DTYPES[-1], device=TARGET.device, layers=2,
+                       choices=choices.get, json_path=tmp_path / "sweep.json", compile_workers=0, echo=lambda line: None)  # fmt: skip
+    assert json.loads((tmp_path / "sweep.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    assert len(result["tried"]) == 2 + 4 + 4 + 2 and all(row["rel_err"] <= REL_L2_BOUND[DTYPES[-1]] for row in result["tried"])
+    for row in result["rows"]:
+        assert row["ok"] and row["experts_read"] >= 2 and row["us"] > 0
+        stage_rows = [t for t in result["tried"] if t["tokens"] == row["tokens"] and t["block_m"] == row["config"]["block_m"]]
+        for stage in ("gate_up", "down"):
+            assert row[f"{stage}_us"] == min(t["us"] for t in stage_rows if t["stage"] == stage)
+    assert "tokens" in format_sweep(result)
+
+    module = tmp_path / "fused_moe.py"
+    module.write_text(Path(inspect.getsourcefile(fused_moe)).read_text())
+    write_tuned_table(json.loads((tmp_path / "sweep.json").read_text()), module)
+    block = module.read_text().split("# >>> tuned tile table")[1].split("# <<< tuned tile table")[0]
+    namespace = {"MoeConfig": MoeConfig, "GemmTile": GemmTile}
+    exec(block.split("\n", 1)[1], namespace)
+    table = namespace["TUNED_CONFIGS"][(64, 32, 8, 2)]
+    assert sorted(table) == [1, 20]
+    for row in result["rows"]:
+        config = row["config"]
+        assert table[row["tokens"]] == MoeConfig(config["block_m"], GemmTile(**config["gate_up"]), GemmTile(**config["down"]))
+
+
+@pytest.mark.skipif(TARGET is not None, reason="this process runs the kernel tests directly")
+@pytest.mark.timeout(300)
+def test_kernels_run_under_the_triton_interpreter():
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_ or align_", "-m", "not gpu", __file__],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
+def test_kernels_compile_for_hopper_with_streamed_weights():
+    """bf16 cannot be checked in the interpreter, so compile the bf16 kernels for sm_90 here:
+    each must build; the grouped GEMMs must stream their tiles asynchronously (cp.async)
+    into tensor-core MMAs, the per-pair GEMVs load their weights 16 bytes at a time."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from vlmbatch.kernels.fused_moe import _expert_gemm_kernel, _pair_gate_up_kernel, _place_pairs_kernel, _sum_slots_kernel, _token_down_kernel
+
+    def build(fn, args: dict[str, str], constants: dict, **options) -> str:
+        # Pointers, strides and sizes 16-aligned, as the JIT specialises them for these shapes.
+        aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items() if kind.startswith("*") or name.startswith("stride") or name in ("N", "K")}
+        source = ASTSource(fn, {**args, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
+        return compile(source, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
+
+    def signature(pointers: dict[str, str], ints: str) -> dict[str, str]:
+        return pointers | dict.fromkeys(ints.split(), "i32")
+
+    gemm = signature({"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
+                      "num_padded_ptr": "*i32"}, "num_pairs num_blocks N K stride_am stride_we stride_wn stride_om")  # fmt: skip
+    for gated, block_m, tile in [(True, 16, GemmTile(64, 128, 1, 4, 4)), (False, 64, GemmTile(128, 64, 8, 4, 3))]:
+        constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True, DOT_PRECISION="tf32", PDL=False,
+                         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m)  # fmt: skip
+        ptx = build(_expert_gemm_kernel, gemm, constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        assert "cp.async" in ptx and "mma" in ptx, f"gated={gated}: tiles not pipelined into tensor-core MMAs"
+    gate_up = signature({"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "act_ptr": "*bf16"}, "N K num_experts stride_xm stride_we stride_wn stride_am")
+    assert "ld.global.v4" in build(_pair_gate_up_kernel, gate_up, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True), num_warps=2)
+    down = signature({"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "routing_ptr": "*bf16", "out_ptr": "*bf16"}, "N K num_experts stride_am stride_we stride_wn stride_om")
+    assert "ld.global.v4" in build(_token_down_kernel, down, dict(TOP_K=8, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=False), num_warps=4)
+    place = signature({"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
+                      "num_pairs chunk num_chunks num_blocks num_experts")  # fmt: skip
+    build(_place_pairs_kernel, place, dict(BLOCK_M=16, E_PAD=128, ROWS=64, COUNT_HERE=False, PDL=True), num_warps=4)
+    sums = signature({"per_pair_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16"}, "num_tokens H num_experts")
+    build(_sum_slots_kernel, sums, dict(TOP_K=8, BLOCK_T=1, BLOCK_H=2048, PDL=False), num_warps=4)
+
+
+# ---- the block against transformers' ------------------------------------------------------
+
+
+def tiny_hf_block(num_experts: int = 6, top_k: int = 2, seed: int = 0):
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+
+    config = Qwen3VLMoeTextConfig(hidden_size=32, moe_intermediate_size=24, num_experts=num_experts, num_experts_per_tok=top_k, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    block = Qwen3VLMoeTextSparseMoeBlock(config).eval()
+    for weight in (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj):
+        torch.nn.init.normal_(weight, std=0.3)
+    return config, block
+
+
+@torch.no_grad()
+def test_block_matches_transformers_in_float32():
+    config, hf_block = tiny_hf_block()
+    ours = FusedMoE.from_config(config, device="meta")
+    ours.load_from_hf(hf_block)
+    x = torch.randn(3, 11, 32, generator=torch.Generator().manual_seed(1))  # 33 tokens: every expert used
+    _, hf_weights, hf_ids = hf_block.gate(x.view(-1, 32))
+    weights, ids = select_experts(ours.gate(x.view(-1, 32)), config.num_experts_per_tok)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+    torch.testing.assert_close(ours(x.view(-1, 32)).view(3, 11, 32), hf_block(x), atol=2e-6, rtol=2e-6)
+
+
+@torch.no_grad()
+def test_load_from_hf_adopts_or_copies_expert_by_expert():
+    config, hf_block = tiny_hf_block(num_experts=4, top_k=1, seed=2)
+    adopted = FusedMoE.from_config(config, device="meta")
+    adopted.load_from_hf(hf_block)
+    assert adopted.gate_up.data_ptr() == hf_block.experts.gate_up_proj.data_ptr()
+    assert adopted.down.data_ptr() == hf_block.experts.down_proj.data_ptr()
+    copied = FusedMoE.from_config(config, dtype=torch.float64)
+    copied.load_from_hf(hf_block)
+    assert copied.gate_up.dtype == torch.float64 and copied.gate_up.data_ptr() != hf_block.experts.gate_up_proj.data_ptr()
+    assert torch.equal(copied.gate_up.float(), hf_block.experts.gate_up_proj) and torch.equal(copied.down.float(), hf_block.experts.down_proj)
+    # The checkpoint layout (transformers transposes it at load) gives the same weights.
+    from_checkpoint = FusedMoE.from_config(config)
+    from_checkpoint.copy_experts(hf_block.experts.gate_up_proj.transpose(1, 2), hf_block.experts.down_proj.transpose(1, 2), transposed=True)
+    assert torch.equal(from_checkpoint.gate_up, hf_block.experts.gate_up_proj) and torch.equal(from_checkpoint.down, hf_block.experts.down_proj)
+    # Weights that are not row-major (a transposed view) are copied into row-major ones.
+    hf_block.experts.gate_up_proj.data = hf_block.experts.gate_up_proj.data.transpose(1, 2).contiguous().transpose(1, 2)
+    reordered = FusedMoE.from_config(config, device="meta")
+    reordered.load_from_hf(hf_block)
+    assert reordered.gate_up.is_contiguous() and torch.equal(reordered.gate_up, hf_block.experts.gate_up_proj)
+    with pytest.raises(ValueError, match="do not fit"):
+        FusedMoE(32, 16, 4, 1).load_from_hf(hf_block)
+
+
+# ---- the H200: bf16 at the 30B-A3B shapes, CUDA graphs ------------------------------------
+
+A3B = dict(num_experts=128, top_k=8, hidden=2048, intermediate=768)
+BF16_REL_L2 = REL_L2_BOUND[torch.bfloat16]  # bf16's unit roundoff; why, at REL_L2_BOUND
+
+
+A3B_PER_PAIR = MoeConfig(1, GemmTile(8, 512, 1, 2, 1), GemmTile(8, 256, 1, 4, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, config", [(1, None), (64, None), (256, None), (2048, None), (1, A3B_PER_PAIR), (4, A3B_PER_PAIR)])
+def test_gpu_bf16_at_30b_a3b_shapes(num_tokens, config):
+    """The tuned (or default) launch shapes at decode and prefill sizes, and the per-pair kernels."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 products stay exact
+    inputs = moe_inputs(num_tokens, **A3B, dtype=torch.bfloat16, seed=num_tokens, device="cuda")
+    out = fused_moe(*inputs, config=config)
+    expected = fused_moe_ref(*inputs)
+    assert relative_l2(out, expected) < BF16_REL_L2
+    atol, rtol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, pdl, config", [(1, True, None), (2, True, A3B_PER_PAIR), (64, False, None), (256, False, None)])
+def test_gpu_fused_moe_replays_in_a_cuda_graph(num_tokens, pdl, config):
+    """Captured once, replayed with new routings (one with a hot expert taking a pair of
+    every token): no host synchronisation, buffers big enough for any routing."""
+    x, w_gate_up, w_down, weights, ids = moe_inputs(num_tokens, **A3B, dtype=torch.bfloat16, seed=1, device="cuda")
+    with launches_with_pdl(pdl):
+        fused_moe(x, w_gate_up, w_down, weights, ids, config)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe(x, w_gate_up, w_down, weights, ids, config)
+    for seed, loads in [(2, {}), (3, {"hot": 5, "idle": tuple(range(64, 128))})]:
+        new_weights, new_ids = routing(num_tokens, A3B["num_experts"], A3B["top_k"], torch.bfloat16, seed, **loads)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        assert relative_l2(out, fused_moe_ref(x, w_gate_up, w_down, weights, ids)) < BF16_REL_L2
