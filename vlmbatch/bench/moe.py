@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from vlmbatch.engine.kernel_choice import PDL_MAX_BATCH
 from vlmbatch.engine.layers.moe import select_experts
 from vlmbatch.kernels.fused_moe import (
     REL_L2_BOUND,
@@ -52,7 +53,6 @@ from vlmbatch.kernels.fused_moe import (
     sum_slots,
     token_down,
 )
-from vlmbatch.kernels.pdl import launches_with_pdl
 from vlmbatch.kernels.reference import fused_moe_ref, moe_down_ref, moe_gate_up_ref
 
 
@@ -75,7 +75,7 @@ class MoeShape:
 
 QWEN3_VL_30B_A3B = MoeShape(hidden=2048, intermediate=768, num_experts=128, top_k=8)
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
-PDL_MAX_TOKENS = 16  # the engine launches decode graphs up to this batch with PDL
+PDL_MAX_TOKENS = PDL_MAX_BATCH  # the engine launches decode graphs up to this batch with PDL
 GRAPH_PASSES = 2  # over the layers, in each timed graph (amortises the graph's launch)
 
 # Narrow weight strips while the product is bound by reading weights (few rows an expert;
@@ -324,8 +324,8 @@ def _sweep_token_count(
     return row, tried
 
 
-def _whole_layer(layer: _Layer, config: MoeConfig) -> torch.Tensor:
-    return fused_moe(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, config)
+def _whole_layer(layer: _Layer, config: MoeConfig, pdl_max_rows: int = 0) -> torch.Tensor:
+    return fused_moe(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, config, pdl_max_rows=pdl_max_rows)
 
 
 def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config: MoeConfig, copy: float | None, device: torch.device) -> dict:
@@ -339,8 +339,7 @@ def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config:
     us = 1000 * _ms_per_call(lambda i: _whole_layer(layers[i], config), len(layers), device)
     us_pdl = align_us = sum_us = None
     if num_tokens <= PDL_MAX_TOKENS and device.type == "cuda":
-        with launches_with_pdl(True):
-            us_pdl = 1000 * _ms_per_call(lambda i: _whole_layer(layers[i], config), len(layers), device)
+        us_pdl = 1000 * _ms_per_call(lambda i: _whole_layer(layers[i], config, PDL_MAX_TOKENS), len(layers), device)
     if config.block_m > 1:
         per_pair = torch.zeros(num_tokens * shape.top_k, shape.hidden, dtype=dtype, device=device)
         align_us = 1000 * _ms_per_call(lambda i: moe_align(layers[i].ids, shape.num_experts, config.block_m), len(layers), device)
