@@ -1,7 +1,7 @@
 """Triton kernels for the paged fast engine, each with a pure-torch reference (`*_ref`).
 
 The references in `reference.py` define the semantics; the kernels are tested against them
-on the CPU under `TRITON_INTERPRET=1` and on the GPU (`scripts/gpu_kernels_bench.py`).
+on the CPU under `TRITON_INTERPRET=1` and on the GPU (`vlmbatch bench kernels`).
 """
 
 from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention

@@ -2,7 +2,7 @@
 
 import torch
 
-from vlmbatch.engine.bench import BenchOptions, decode_step_cost, run_bench
+from vlmbatch.bench.engine import BenchOptions, decode_step_cost, run_bench
 
 
 def test_bench_runs_peer_and_engine_checks_logits_and_records_failures():

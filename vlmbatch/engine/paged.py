@@ -284,30 +284,6 @@ class PagedEngine(Engine):
             s.decode_launch_s += launch_s
             s.decode_wait_s += forward_s - launch_s
 
-    @torch.no_grad()
-    def teacher_forced_logits(self, prompts: list[PreparedPrompt], continuations: list[list[int]]) -> list[torch.Tensor]:
-        """Logits [len(continuation) + 1, vocab] (fp32, host) of each prompt's last token and
-        of each forced continuation token, computed through the normal schedule (batched
-        prefill, then decode steps): what the correctness checks compare with transformers."""
-        greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        forced = {}
-        for i, (prompt, continuation) in enumerate(zip(prompts, continuations)):
-            self.add_request(f"teacher-forced-{i}", prompt, greedy.updated(max_tokens=len(continuation) + 1))
-            forced[f"teacher-forced-{i}"] = (list(continuation), [])
-        while self.scheduler.has_unfinished():
-            batch = self.scheduler.schedule()
-            self._encode_media(batch)
-            seqs, logits = self.runner.forward_logits(batch)
-            self.scheduler.finish_step(batch)
-            for seq, row in zip(seqs, logits.float().cpu()):
-                continuation, rows = forced[seq.request_id]
-                rows.append(row)
-                if len(rows) <= len(continuation):
-                    seq.token_ids.append(continuation[len(rows) - 1])
-                else:
-                    self.abort_request(seq.request_id)
-        return [torch.stack(rows) for _, rows in forced.values()]
-
     def _encode_media(self, batch: ScheduledBatch) -> bool:
         """Embed the media of sequences seen for the first time; True when the tower ran."""
         pending = [s for s in batch.seqs if s.mm is not None and s.mm.embeds is None]

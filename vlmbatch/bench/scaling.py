@@ -1,7 +1,6 @@
-#!/usr/bin/env python
-"""Does the queue scale across GPUs? Two workers (one per GPU) on one job against one.
+"""`vlmbatch bench scaling`: does the queue scale across GPUs? Two workers (one per GPU) on one job against one.
 
-    python scripts/gpu_scaling_check.py [--shape 3b] [--rows 2048] [--redis-server .whl/redis/redis-server]
+    vlmbatch bench scaling [--shape 3b] [--rows 2048] [--redis-server .whl/redis/redis-server] [--json $OUT/scaling.json]
 
 Everything is real: a private `redis-server` on 127.0.0.1, `vlmbatch worker` commands,
 `vlmbatch submit` and `vlmbatch wait`. The model is a Qwen2.5-VL folder of the chosen
@@ -25,14 +24,12 @@ during the job (0: the pool it started with served every shard, as it should).
 Preprocessing pools take the product's default size (each GPU worker's share of the
 cores, less two for its engine) unless `--preprocess-workers` is given.
 
-Prints timestamped progress and tables; writes scaling.json into $OUT (or the current
-folder). Exits 1 when a run fails (a worker dies, a row errors, the job does not
+Prints timestamped progress and tables; writes the JSON report (`--json`). Exits 1 when a run fails (a worker dies, a row errors, the job does not
 complete); the 1.9x target is reported, not enforced.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -74,7 +71,7 @@ def build_model(shape: str, workdir: Path) -> Path:
     processor is widened to Qwen's own pixel bounds so W1's images give 256 tokens."""
     from transformers import AutoProcessor
 
-    from vlmbatch.cli.bench_serve import _random_checkpoint
+    from vlmbatch.bench.serve import _random_checkpoint
 
     path = _random_checkpoint(shape, workdir)
     processor = AutoProcessor.from_pretrained(path)
@@ -166,12 +163,12 @@ def write_dataset(path: Path, rows: int, first_seed: int, words: int) -> Path:
 class PrivateRedis:
     """`redis-server` from a given path (its libraries beside it), no persistence."""
 
-    def __init__(self, binary: Path, log: Path):
+    def __init__(self, binary: Path, log: Path, env: dict[str, str]):
         from vlmbatch.workers.local import free_port
 
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")])))
+        env = dict(env, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(binary.parent), env.get("LD_LIBRARY_PATH")])))
         cmd = [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -412,64 +409,49 @@ def print_table(a: dict[str, Any], b: dict[str, Any], ratio: float) -> None:
     print(f"B/A = {ratio:.2f}x ({verdict} the {TARGET_RATIO}x target)\n", flush=True)
 
 
-def main() -> int:
+def run(shape: str, rows: int, shard_size: int, gpus_a: str | None, gpus_b: str | None, redis_server: Path, workdir: Path,
+        preprocess_workers: int | None, timeout: float, json_out: Path, env: dict[str, str]) -> bool:
+    """Runs A and B (`gpus_*`: space-separated `--gpus` values, one worker command each;
+    None: one GPU against two, or CPU workers without CUDA); False when a run failed."""
     import torch
 
     cuda = torch.cuda.is_available()
-    gpus_a, gpus_b = default_gpus(cuda)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="3b", choices=["3b", "7b", "tiny"])
-    parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (2048/256 = 8 shards, 4 per GPU in run B)")
-    parser.add_argument("--gpus-a", default=gpus_a, help="space-separated --gpus values, one `vlmbatch worker` command each")
-    parser.add_argument("--gpus-b", default=gpus_b, help="likewise for run B")
-    parser.add_argument("--redis-server", type=Path, default=Path(".whl/redis/redis-server"))
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/vlmbatch-scaling"))
-    parser.add_argument("--preprocess-workers", type=int, default=None,
-                        help="preprocessing processes per worker process (default: the product's, from its share of the cores)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for start-up and for each job")
-    args = parser.parse_args()
-
-    workdir = args.workdir
+    default_a, default_b = default_gpus(cuda)
+    gpus_a, gpus_b = gpus_a or default_a, gpus_b or default_b
     (workdir / "out").mkdir(parents=True, exist_ok=True)
-    out_dir = Path(os.environ.get("OUT", "."))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    if args.preprocess_workers is not None:
-        env["VLMBATCH_PREPROCESS_WORKERS"] = str(args.preprocess_workers)
+    env = dict(env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if preprocess_workers is not None:
+        env["VLMBATCH_PREPROCESS_WORKERS"] = str(preprocess_workers)
     if not cuda:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # a CPU smoke test on a shared box
     dtype = "bfloat16" if cuda else "auto"
-    report: dict[str, Any] = {"shape": args.shape, "rows": args.rows, "shard_size": args.shard_size, "cuda": cuda,
+    report: dict[str, Any] = {"shape": shape, "rows": rows, "shard_size": shard_size, "cuda": cuda,
                               "devices": in_child(device_names),
-                              "preprocess_workers_per_worker": args.preprocess_workers, "target_ratio": TARGET_RATIO}
+                              "preprocess_workers_per_worker": preprocess_workers, "target_ratio": TARGET_RATIO}
     say(f"devices {report['devices'] or ['cpu']}; workdir {workdir}")
-    redis_server = PrivateRedis(args.redis_server.absolute(), workdir / "redis.log")
+    private_redis = PrivateRedis(redis_server.absolute(), workdir / "redis.log", env)
     try:
-        redis_server.wait_ready()
-        say(f"redis-server on {redis_server.url}")
-        model = in_child(build_model, args.shape, workdir)
+        private_redis.wait_ready()
+        say(f"redis-server on {private_redis.url}")
+        model = in_child(build_model, shape, workdir)
         words = words_for_prompt(model)
-        processes_b = sum(len(spec.split(",")) for spec in args.gpus_b.split())
-        warmup = write_dataset(workdir / "warmup.parquet", args.shard_size * processes_b, 10_000_000, words)
-        timed = write_dataset(workdir / "w1.parquet", args.rows, 0, words)
-        for label, gpus in (("A", args.gpus_a), ("B", args.gpus_b)):
-            report[label] = run_config(label, gpus.split(), model, redis_server.url, dtype, (warmup, timed),
-                                       args.shard_size, workdir, env, args.timeout)
+        processes_b = sum(len(spec.split(",")) for spec in gpus_b.split())
+        warmup = write_dataset(workdir / "warmup.parquet", shard_size * processes_b, 10_000_000, words)
+        timed = write_dataset(workdir / "w1.parquet", rows, 0, words)
+        for label, gpus in (("A", gpus_a), ("B", gpus_b)):
+            report[label] = run_config(label, gpus.split(), model, private_redis.url, dtype, (warmup, timed),
+                                       shard_size, workdir, env, timeout)
         report["ratio"] = report["B"]["rows_per_s"] / report["A"]["rows_per_s"]
         report["meets_target"] = report["ratio"] >= TARGET_RATIO
         report["ok"] = True
         print_table(report["A"], report["B"], report["ratio"])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (the report says what failed; the caller exits 1)
         report["ok"] = False
         report["error"] = f"{type(exc).__name__}: {exc}"
         say(f"FAILED: {report['error']}\n{traceback.format_exc()}")
     finally:
-        redis_server.stop()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "scaling.json").write_text(json.dumps(report, indent=2))
-        say(f"wrote {out_dir / 'scaling.json'}")
-    return 0 if report["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        private_redis.stop()
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2))
+        say(f"wrote {json_out}")
+    return report["ok"]

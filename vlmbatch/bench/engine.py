@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from vlmbatch.bench.adapt import teacher_forced_logits
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.models.base import PreparedPrompt
 
@@ -246,7 +247,7 @@ def logit_reference(hf_model, adapter, prompts: list[PreparedPrompt], decode_ste
 def check_backends(engine, reference: LogitReference, backends: list[str], adapter, ceilings: dict[str, float]) -> dict[str, Any]:
     """Our teacher-forced logits with each attention backend against the reference, and
     each backend's decode step at batch 64 (what `auto` should follow on this device)."""
-    from vlmbatch.engine.attention import create_backend, record_fastest_backend
+    from vlmbatch.engine.attention import create_backend
 
     report: dict[str, Any] = {"positions_per_prompt": len(reference.continuations[0]) + 1, "prompts": len(reference.prompts),
                               "bound_max_rel_err": reference.bound, "transformers_low_precision": reference.transformers_low_precision,
@@ -255,7 +256,7 @@ def check_backends(engine, reference: LogitReference, backends: list[str], adapt
         try:
             engine.runner.use_backend(create_backend(name, engine.device))
             engine.block_manager.reset_prefix_cache()
-            errors = relative_errors(engine.teacher_forced_logits(reference.prompts, reference.continuations), reference.logits)
+            errors = relative_errors(teacher_forced_logits(engine, reference.prompts, reference.continuations), reference.logits)
             speed = decode_roofline(engine, adapter, 64, ceilings, steps=16)
             report["backends"][name] = dict(errors, ok=errors["max_rel_err"] <= reference.bound, decode_step_ms_b64=speed["decode_step_ms"])
         except Exception as exc:  # noqa: BLE001  (a backend that fails to run is a finding, not the end)
@@ -264,8 +265,6 @@ def check_backends(engine, reference: LogitReference, backends: list[str], adapt
                 engine.abort_request(request_id)
     passing = [b for b, e in report["backends"].items() if e["ok"]]
     report["fastest_backend"] = min(passing, key=lambda b: report["backends"][b]["decode_step_ms_b64"]) if passing else None
-    if engine.device.type == "cuda" and len(passing) > 1:
-        record_fastest_backend(engine.device, report["fastest_backend"])  # what `auto` picks from now on
     return report
 
 

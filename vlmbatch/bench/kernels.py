@@ -1,4 +1,4 @@
-"""GPU check-and-time run for the kernels: `vlmbatch bench kernels` and scripts/gpu_kernels_bench.py.
+"""`vlmbatch bench kernels`: check the Triton kernels and time them on the GPU.
 
 One run (a few minutes on an H200) checks every kernel against its reference in bf16 and
 fp16, measures the machine's ceilings (device copy bandwidth, a bf16 8192^3 matmul), then
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
-from .kv_cache_write import store_kvcache
-from .prefill_attention import PrefillConfig, paged_prefill_attention
-from .reference import (
+from vlmbatch.kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
+from vlmbatch.kernels.kv_cache_write import store_kvcache
+from vlmbatch.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+from vlmbatch.kernels.reference import (
     apply_rotary_ref,
     gather_paged_kv,
     paged_decode_attention_ref,
@@ -31,10 +31,10 @@ from .reference import (
     rms_norm_ref,
     store_kvcache_ref,
 )
-from .norm import rms_norm
-from .rotary import apply_rotary
-from .skinny_gemm import SkinnyConfig, skinny_linear
-from .testing import TOLERANCE, PagedKV, make_paged_kv
+from vlmbatch.kernels.norm import rms_norm
+from vlmbatch.kernels.rotary import apply_rotary
+from vlmbatch.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from vlmbatch.kernels.testing import TOLERANCE, PagedKV, make_paged_kv
 
 HEAD_DIM = 128
 MODELS = {"3B": (16, 2), "7B": (28, 4)}  # (query heads, KV heads) of Qwen2.5-VL
