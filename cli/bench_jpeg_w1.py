@@ -7,9 +7,11 @@ from pathlib import Path
 
 import typer
 
+from vlmbatch.cli.bench_options import model_shape_option, shape_or_exit
+
 
 def bench_jpeg_w1(
-    shape: str = typer.Option("3b", "--shape", help="Qwen2.5-VL shapes with random weights: 3b, 7b or tiny (a CPU smoke run)."),
+    shape: str = model_shape_option(),
     rows: int = typer.Option(1024, "--rows", min=1, help="W1 requests per run."),
     workdir: Path = typer.Option(Path("bench-out"), "--workdir", help="Model folder, datasets and job outputs."),
     json_out: Path = typer.Option(Path("bench-out/gpu_jpeg_w1.json"), "--json", help="Where to write the figures."),
@@ -17,6 +19,7 @@ def bench_jpeg_w1(
     """Requests/s of W1 with pixels ready, through the job path from JPEGs with nvJPEG in the engine, and with the pool decoding."""
     from vlmbatch.bench.jpeg_w1 import run
 
+    shape = shape_or_exit(shape).name
     if not run(shape, rows, workdir, json_out, os.environ.get("VLMBATCH_PREPROCESS_WORKERS", "default")):
         raise typer.Exit(1)
 

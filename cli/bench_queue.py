@@ -1,12 +1,4 @@
-"""`vlmbatch bench queue`: what the queue costs, and how fast it recovers from a crash.
-
-Both figures use workers that validate rows without generating (`--dry-run` workers), so
-they measure Celery + Redis + the shard runner and nothing of the model:
-- throughput: rows/s through the queue with N workers against the in-process runner on
-  the same dataset, with each worker's RSS at the start and end (it should stay flat);
-- recovery: seconds from `kill -9` of the worker running a shard to that shard running
-  again on another worker.
-"""
+"""`vlmbatch bench queue`: what the queue costs, and how fast it recovers from a crash (`vlmbatch.bench.queue`)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,11 @@ from typing import Optional
 
 import typer
 
+from vlmbatch.cli.bench_options import model_shape_option, shape_or_exit
+
 
 def bench_scaling(
-    shape: str = typer.Option("3b", "--shape", help="Qwen2.5-VL shapes with random weights: 3b, 7b or tiny (a CPU smoke run)."),
+    shape: str = model_shape_option(),
     rows: int = typer.Option(2048, "--rows", min=1, help="Rows of the timed W1 job."),
     shard_size: int = typer.Option(256, "--shard-size", min=1, help="Rows per shard (2048/256 = 8 shards, 4 per GPU in run B)."),
     gpus_a: Optional[str] = typer.Option(None, "--gpus-a", help="Space-separated --gpus values of run A, one `vlmbatch worker` each (default: 0, or cpu)."),
@@ -24,6 +26,7 @@ def bench_scaling(
     """Rows/s of run A (one GPU) and run B (two GPUs) on the same W1 job, and where each shard's time went; the 1.9x target is reported."""
     from vlmbatch.bench.scaling import run
 
+    shape = shape_or_exit(shape).name
     if not run(shape, rows, shard_size, gpus_a, gpus_b, redis_server, workdir, preprocess_workers, timeout, json_out, dict(os.environ)):
         raise typer.Exit(1)
 

@@ -8,14 +8,13 @@ from typing import Optional
 
 import typer
 
+from vlmbatch.cli.bench_options import model_shape_option, shape_or_exit
 from vlmbatch.cli.options import EngineOption
 
 
 def bench_serve(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Start `vlmbatch serve` with this model for the run."),
-    shape: Optional[str] = typer.Option(
-        None, "--shape", help="Instead of --model: Qwen2.5-VL sizes with random weights (3b, 7b, tiny), written under bench-out/."
-    ),
+    shape: Optional[str] = model_shape_option(None),
     url: Optional[str] = typer.Option(None, "--url", help="Measure an already running server instead (e.g. http://127.0.0.1:2242)."),
     engine: str = EngineOption,
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VLMBATCH_API_KEY", help="Bearer key of the server."),
@@ -26,11 +25,13 @@ def bench_serve(
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Stream every other request."),
     output: Path = typer.Option(Path("bench-out/serve.json"), "--output", "-o", help="JSON results file."),
 ) -> None:
-    """Closed-loop load: each client sends its next request when the previous one is answered."""
+    """Closed-loop load: each client sends its next request when the previous one is answered (--model-shape: random weights written under --output's folder)."""
     from vlmbatch.bench.serve import run
 
     if sum(x is not None for x in (model, shape, url)) != 1:
         raise typer.BadParameter("give exactly one of --model or --shape (start a server) and --url (use a running one)")
+    if shape is not None:
+        shape_or_exit(shape)
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
     run(model, shape, url, engine, api_key, levels, requests_per_level, max_tokens, image_side, stream, output)
 

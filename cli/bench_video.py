@@ -8,16 +8,7 @@ from typing import Optional
 
 import typer
 
-
-def int_list(text: str, flag: str) -> list[int]:
-    """Comma-separated positive integers, or a usage error naming `flag`."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise typer.BadParameter("expected comma-separated integers", param_hint=flag)
-    if not values or min(values) < 1:
-        raise typer.BadParameter("expected positive integers", param_hint=flag)
-    return values
+from vlmbatch.cli.bench_options import int_list
 
 
 def bench_video(
@@ -42,8 +33,8 @@ def bench_video(
     unknown = [b for b in chosen if b not in BACKENDS]
     if unknown:
         raise typer.BadParameter(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}", param_hint="--backends")
-    thread_counts = int_list(threads, "--threads") if threads else sorted({1, os.cpu_count() or 1})
-    run(chosen, int_list(frames, "--frames"), thread_counts, requests_per_thread, seconds, size, clip_dir, json_out, decoder_threads)
+    thread_counts = list(int_list(threads, "--threads")) if threads else sorted({1, os.cpu_count() or 1})
+    run(chosen, list(int_list(frames, "--frames")), thread_counts, requests_per_thread, seconds, size, clip_dir, json_out, decoder_threads)
 
 
 def register(bench_app: typer.Typer) -> None:

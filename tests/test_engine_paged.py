@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmbatch.bench.engine import hf_inputs
+from vlmbatch.testing.reference import hf_inputs
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.media.types import VideoFrames

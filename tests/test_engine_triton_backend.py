@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     torch.set_num_threads(1)
-    from vlmbatch.bench.engine import hf_inputs
+    from vlmbatch.testing.reference import hf_inputs
     from vlmbatch.engine.paged import PagedEngine
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.models.registry import load_adapter, load_hf_model

@@ -1,14 +1,14 @@
 """`vlmbatch bench jpeg-w1`: is the GPU fed from real JPEGs? W1 three ways on one engine (issue #7's figure).
 
-    vlmbatch bench jpeg-w1 [--shape 3b] [--rows 1024] [--json $OUT/gpu_jpeg_w1.json]
-    vlmbatch bench jpeg-w1 --shape tiny --rows 16     # CPU smoke test of every step
+    vlmbatch bench jpeg-w1 [--model-shape 3b] [--rows 1024] [--json $OUT/gpu_jpeg_w1.json]
+    vlmbatch bench jpeg-w1 --model-shape tiny --rows 16     # CPU smoke test of every step
 
-W1: `--rows` requests of one 448x448 image (256 tokens), ~288-token prompts, exactly 128
-output tokens (EOS ignored), on Qwen2.5-VL shapes with random bf16 weights (nothing is
-downloaded). One paged engine (the product's defaults) serves, in order:
+W1 (`bench.workloads`): `--rows` requests, the same ones `vlmbatch bench engine` times
+(its images, prompts and output lengths), on a model shape with random bf16 weights
+(nothing is downloaded). One paged engine (the product's defaults) serves, in order:
 
-1. pre-decoded: the engine benchmark's W1 prompts (pixels ready in memory, `bench/engine.py`);
-2. jpeg-gpu: a Parquet file of distinct real JPEGs through the in-process job path
+1. pre-decoded: the requests as the engine benchmark feeds them (pixels ready in memory);
+2. jpeg-gpu: the same requests as a Parquet file of their JPEGs through the in-process job path
    (`run_job_locally`: reader, preprocessing pool, engine, result part) with GPU decoding
    on: pool workers pass validated JPEG bytes, the engine decodes each step's images with
    nvJPEG and runs the processor on the device (`vlmbatch/media/gpu_batch.py`);
@@ -17,8 +17,8 @@ downloaded). One paged engine (the product's defaults) serves, in order:
 Each is preceded by an untimed warm-up of 64 rows/requests (fewer if --rows is smaller)
 (CUDA graphs, nvJPEG and the pool start are paid there: one preprocessing pool serves all
 job runs, as in a `vlmbatch worker`). Each run prints where the engine's time went
-(`EngineStats` phases) and the shards' timing lines (time idle waiting for rows). The target: jpeg-gpu reaches >= 90% of pre-decoded requests/s
-(reported, not enforced). Without CUDA the jpeg-gpu run cannot happen (GPU decoding is
+(`EngineStats` phases) and the shards' timing lines (time idle waiting for rows). The
+target: jpeg-gpu reaches >= 90% of pre-decoded requests/s (reported, not enforced). Without CUDA the jpeg-gpu run cannot happen (GPU decoding is
 refused on a CPU engine) and is reported as skipped. Prints a table; writes the JSON
 report (`--json`). Exits 1 if a run fails or a row errors.
 """
@@ -32,22 +32,25 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.bench import scaling as w1data  # W1's model folder, JPEGs and prompts
+from vlmbatch.bench import adapt
+from vlmbatch.bench.scaling import say
+from vlmbatch.bench.shapes import resolve_shape, save_random_checkpoint
+from vlmbatch.bench.timing import run_engine
+from vlmbatch.bench.workloads import W1_OUTPUT_TOKENS, Workload, build_workload, write_parquet
 
 TARGET = 0.9
 WARMUP_ROWS = 64
-say = w1data.say
+W1_SEED, WARMUP_SEED = 100, 99  # those of `vlmbatch bench engine`: the same requests
 
 
-def pre_decoded(llm: Any, rows: int, warmup: int) -> dict[str, Any]:
-    """The engine benchmark's W1 on the job's engine: prompts with pixels already made."""
-    from vlmbatch.bench.engine import output_lengths, run_engine, w1_prompts
-
+def pre_decoded(llm: Any, timed: Workload, warmup: Workload) -> dict[str, Any]:
+    """The requests as the engine benchmark feeds them (pixels already made), on the job's engine."""
     dtype = llm.engine.runner.dtype
-    run_engine(llm.engine, w1_prompts(llm.adapter, warmup, seed=1, pixel_dtype=dtype), output_lengths("w1", warmup), "warmup")
+    llm.engine.block_manager.reset_prefix_cache()
+    run_engine(llm.engine, adapt.engine_prompts(warmup, llm.adapter, dtype), [r.output_tokens for r in warmup.requests], "warmup")
     before = stats_now(llm)
-    result = run_engine(llm.engine, w1_prompts(llm.adapter, rows, seed=2, pixel_dtype=dtype), output_lengths("w1", rows), "w1")
-    return {"requests": rows, "seconds": result.seconds, "output_tokens": result.output_tokens, "phases": phases(llm, before)}
+    result = run_engine(llm.engine, adapt.engine_prompts(timed, llm.adapter, dtype), [r.output_tokens for r in timed.requests], "w1")
+    return {"requests": result.requests, "seconds": result.seconds, "output_tokens": result.output_tokens, "phases": phases(llm, before)}
 
 
 def phases(llm: Any, before: dict[str, float]) -> dict[str, float]:
@@ -69,8 +72,9 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
     from vlmbatch import job as jobs
     from vlmbatch.engine.sampling_params import SamplingParams
 
-    sampling = SamplingParams(max_tokens=w1data.OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-    llm.engine.model.encoder_cache.clear()  # each run starts cold, and its cache shows which path it took
+    sampling = SamplingParams(max_tokens=W1_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    adapt.clear_encoder_cache(llm.engine)  # each run starts cold, and its cache shows which path it took
+    llm.engine.block_manager.reset_prefix_cache()
     seconds, before = 0.0, stats_now(llm)
     for name, path in (("warmup", warmup), ("timed", dataset)):
         before = stats_now(llm)
@@ -84,12 +88,12 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
     if errors:
         raise RuntimeError(f"{len(errors)} rows failed in the {mode} job, e.g. {errors[0]}")
     # Deferred images are cached under their bytes' hash ("jpeg:..."): proof the engine decoded them.
-    gpu_decoded = sum(key.startswith("jpeg:") for key in llm.engine.model.encoder_cache)
+    gpu_decoded = sum(key.startswith("jpeg:") for key in adapt.encoder_cache_keys(llm.engine))
     if (mode == "on") != (gpu_decoded > 0):
         raise RuntimeError(f"GPU decoding {mode} but {gpu_decoded} engine-decoded images in the encoder cache")
     generated = table.column("num_generated_tokens").to_pylist()
-    if set(generated) != {w1data.OUTPUT_TOKENS}:
-        raise RuntimeError(f"rows generated {sorted(set(generated))} tokens, not {w1data.OUTPUT_TOKENS}")
+    if set(generated) != {W1_OUTPUT_TOKENS}:
+        raise RuntimeError(f"rows generated {sorted(set(generated))} tokens, not {W1_OUTPUT_TOKENS}")
     return {"requests": table.num_rows, "seconds": seconds, "output_tokens": sum(generated),
             "prompt_tokens": table.column("num_input_tokens").to_pylist()[0], "phases": phases(llm, before)}
 
@@ -112,15 +116,15 @@ def run(shape: str, rows: int, workdir: Path, json_out: Path, preprocess_workers
                               "cpu_count": os.cpu_count(), "runs": {}}  # fmt: skip
     ok = True
     try:
-        model = w1data.build_model(shape, workdir)
-        words = w1data.words_for_prompt(model)
-        dataset = w1data.write_dataset(workdir / "w1-jpeg.parquet", rows, 10_000, words)
-        warmup_rows = min(WARMUP_ROWS, rows)
-        warmup = w1data.write_dataset(workdir / "w1-jpeg-warmup.parquet", warmup_rows, 90_000, words)
-        say(f"datasets: {rows} + {warmup_rows} warm-up rows of distinct JPEGs, ~{w1data.PROMPT_TOKENS}-token prompts")
+        model = save_random_checkpoint(resolve_shape(shape), workdir)
         llm = jobs.load_llm(str(model), engine="paged", dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu")
+        timed = build_workload("w1", llm.adapter, rows, seed=W1_SEED)
+        warmup_requests = build_workload("w1", llm.adapter, min(WARMUP_ROWS, rows), seed=WARMUP_SEED)
+        dataset = write_parquet(timed, workdir / "w1-jpeg.parquet")
+        warmup = write_parquet(warmup_requests, workdir / "w1-jpeg-warmup.parquet")
+        say(f"datasets: {rows} + {len(warmup_requests.requests)} warm-up rows of distinct JPEGs, {timed.prompt_tokens}-token prompts")
         runs = report["runs"]
-        runs["pre-decoded"] = pre_decoded(llm, rows, warmup_rows)
+        runs["pre-decoded"] = pre_decoded(llm, timed, warmup_requests)
         say(f"pre-decoded: {runs['pre-decoded']}")
         preparer = RowPreparer()
         try:

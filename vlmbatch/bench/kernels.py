@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
+from vlmbatch.bench.roofline import measure_ceilings
 from vlmbatch.kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
 from vlmbatch.kernels.kv_cache_write import store_kvcache
 from vlmbatch.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
@@ -91,18 +92,11 @@ def median_ms(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def measure_ceilings(device: torch.device) -> dict[str, float]:
-    """What the hardware gives to plain PyTorch: the yardsticks for the kernels' numbers."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    matmul_ms = median_ms(lambda: a @ b)
-    return {
-        "copy_tb_s": 2 * src.numel() / copy_ms / 1e9,  # bytes read + written
-        "matmul_bf16_tflop_s": 2 * 8192**3 / matmul_ms / 1e9,
-    }
+def kernel_ceilings(device: torch.device) -> dict[str, float]:
+    """What the hardware gives to plain PyTorch (`roofline.measure_ceilings`), in the units of
+    the kernel tables: the yardsticks for the kernels' numbers."""
+    ceilings = measure_ceilings(device)
+    return {"copy_tb_s": ceilings["copy_bytes_per_s"] / 1e12, "matmul_bf16_tflop_s": ceilings["matmul_flops_per_s"] / 1e12}
 
 
 def compare(kernel: str, dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -367,7 +361,7 @@ def run_kernel_bench(
     section("kernels vs references", report.checks, ["kernel", "dtype", "max_abs", "max_rel", "nan", "ok"])
     if not report.ok:
         echo("FAILED: a kernel disagrees with its reference (see above); timings follow anyway")
-    report.ceilings = measure_ceilings(device)
+    report.ceilings = kernel_ceilings(device)
     echo(f"\nceilings: {report.ceilings}")
     if "prefill" in sections:
         report.prefill = bench_prefill(device, report.ceilings["matmul_bf16_tflop_s"])

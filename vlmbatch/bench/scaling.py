@@ -1,12 +1,12 @@
 """`vlmbatch bench scaling`: does the queue scale across GPUs? Two workers (one per GPU) on one job against one.
 
-    vlmbatch bench scaling [--shape 3b] [--rows 2048] [--redis-server .whl/redis/redis-server] [--json $OUT/scaling.json]
+    vlmbatch bench scaling [--model-shape 3b] [--rows 2048] [--redis-server .whl/redis/redis-server] [--json $OUT/scaling.json]
 
 Everything is real: a private `redis-server` on 127.0.0.1, `vlmbatch worker` commands,
-`vlmbatch submit` and `vlmbatch wait`. The model is a Qwen2.5-VL folder of the chosen
-shape with random bf16 weights (nothing is downloaded); the dataset is W1 (one distinct
-448x448 JPEG per row, ~288 prompt tokens, 128 output tokens), so no row can reuse another
-row's prefix or encoder output.
+`vlmbatch submit` and `vlmbatch wait`. The model is the chosen shape's folder
+(`bench.shapes`) with random bf16 weights (nothing is downloaded); the dataset is W1
+(`bench.workloads`: one distinct 448x448 JPEG per row, 288-token prompts, 128 output
+tokens), so no row can reuse another row's prefix or encoder output.
 
 Run A starts the workers of `--gpus-a` (default `0`), run B those of `--gpus-b` (default
 `0,1`: two processes of one command); each run waits until every worker process is
@@ -24,16 +24,15 @@ during the job (0: the pool it started with served every shard, as it should).
 Preprocessing pools take the product's default size (each GPU worker's share of the
 cores, less two for its engine) unless `--preprocess-workers` is given.
 
-Prints timestamped progress and tables; writes the JSON report (`--json`). Exits 1 when a run fails (a worker dies, a row errors, the job does not
-complete); the 1.9x target is reported, not enforced.
+Prints timestamped progress and tables; writes the JSON report (`--json`). Exits 1 when
+a run fails (a worker dies, a row errors, the job does not complete); the 1.9x target
+is reported, not enforced.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -44,18 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from vlmbatch.bench.workloads import W1_OUTPUT_TOKENS
 
 TARGET_RATIO = 1.9
-IMAGE_SIDE = 448
-IMAGE_TOKENS = 256  # (448 / 14) ** 2 patches, merged 2x2
-PROMPT_TOKENS = 288
-OUTPUT_TOKENS = 128
-# Qwen2.5-VL's published pixel bounds: a 448x448 image keeps its size (256 tokens).
-QWEN_IMAGE_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}
 VLMBATCH = [sys.executable, "-m", "vlmbatch.cli"]
-WORDS = ("describe the picture with care and name every colour shape and texture you can see in it "
-         "then say which part is brightest where the light seems to come from and what mood it has").split()
 STARTED = time.monotonic()
 SUCCEEDED = re.compile(r"^\[(?P<stamp>[\d-]+ [\d:]+),\d+: INFO/\w+\] Task \S+ succeeded in (?P<seconds>[\d.]+)s", re.M)
 SHARD_TIMING = re.compile(r"shard timing: (?P<fields>.*)$", re.M)
@@ -67,24 +58,11 @@ def say(message: str) -> None:
 
 # ---- model and data -------------------------------------------------------------------
 def build_model(shape: str, workdir: Path) -> Path:
-    """The random-weight checkpoint `vlmbatch bench serve` uses; for real shapes its
-    processor is widened to Qwen's own pixel bounds so W1's images give 256 tokens."""
-    from transformers import AutoProcessor
+    """The shape's folder with random bf16 weights on disk (the workers load it)."""
+    from vlmbatch.bench.shapes import resolve_shape, save_random_checkpoint
 
-    from vlmbatch.bench.serve import _random_checkpoint
-
-    path = _random_checkpoint(shape, workdir)
-    processor = AutoProcessor.from_pretrained(path)
-    if shape != "tiny":
-        processor.image_processor.size = dict(QWEN_IMAGE_SIZE)
-        processor.save_pretrained(path)
-        processor.image_processor.save_pretrained(path)
-        processor = AutoProcessor.from_pretrained(path)
-    grid = processor.image_processor(images=[gradient_image(0)], return_tensors="pt")["image_grid_thw"][0]
-    tokens = int(grid.prod()) // 4
-    if shape != "tiny" and tokens != IMAGE_TOKENS:
-        raise RuntimeError(f"a {IMAGE_SIDE}x{IMAGE_SIDE} image gives {tokens} tokens, not {IMAGE_TOKENS}: processor size not applied")
-    say(f"model {path} ({shape}); a {IMAGE_SIDE}x{IMAGE_SIDE} image is {tokens} tokens")
+    path = save_random_checkpoint(resolve_shape(shape), workdir)
+    say(f"model {path} ({shape})")
     return path
 
 
@@ -104,58 +82,14 @@ def in_child(function: Any, *args: Any) -> Any:
         return pool.submit(function, *args).result()
 
 
-def gradient_image(seed: int) -> np.ndarray:
-    """A smooth colour field of its own per seed: distinct content, a small JPEG."""
-    rng = np.random.default_rng(seed)
-    axis = np.linspace(0.0, 1.0, IMAGE_SIDE, dtype=np.float32)
-    x, y = np.meshgrid(axis, axis)
-    channels = []
-    for _ in range(3):
-        a, b, c = rng.uniform(-120, 120, 2).tolist() + [rng.uniform(60, 190)]
-        freq, phase = rng.uniform(1, 6), rng.uniform(0, 2 * np.pi)
-        channels.append(c + a * x + b * y + 30 * np.sin(freq * (x + y) * np.pi + phase))
-    return np.clip(np.stack(channels, axis=-1), 0, 255).astype(np.uint8)
+def write_dataset(model: Path, path: Path, rows: int, seed: int) -> Path:
+    """`rows` W1 requests (`bench.workloads`, images seeded by `seed`) as Parquet job rows."""
+    from vlmbatch.bench.workloads import build_workload, write_parquet
+    from vlmbatch.models.registry import load_adapter
 
-
-def jpeg_bytes(pixels: np.ndarray) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="JPEG", quality=85)
-    return buffer.getvalue()
-
-
-def prompt_text(words: list[str]) -> str:
-    return ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>" + " ".join(words)
-            + "<|im_end|>\n<|im_start|>assistant\n")
-
-
-def words_for_prompt(model: Path) -> int:
-    """How many words bring a prompt to ~PROMPT_TOKENS once its placeholder is expanded."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    count = 1
-    while count < len(WORDS) and len(tokenizer(prompt_text(WORDS[:count]))["input_ids"]) - 1 + IMAGE_TOKENS < PROMPT_TOKENS:
-        count += 1
-    return count
-
-
-def write_dataset(path: Path, rows: int, first_seed: int, words: int) -> Path:
-    """W1 rows as Parquet: id, raw Qwen prompt, JPEG bytes, max_tokens."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = random.Random(first_seed)
-    seeds = range(first_seed, first_seed + rows)
-    table = pa.table({
-        "id": [f"row-{s}" for s in seeds],
-        "prompt": [prompt_text(rng.choices(WORDS, k=words)) for _ in seeds],
-        "image": [jpeg_bytes(gradient_image(s)) for s in seeds],
-        "max_tokens": [OUTPUT_TOKENS] * rows,
-    })
-    pq.write_table(table, path)
-    say(f"dataset {path}: {rows} rows, {path.stat().st_size / 2**20:.1f} MiB")
+    workload = build_workload("w1", load_adapter(str(model)), rows, seed)
+    write_parquet(workload, path)
+    say(f"dataset {path}: {rows} rows of {workload.prompt_tokens}-token prompts, {path.stat().st_size / 2**20:.1f} MiB")
     return path
 
 
@@ -287,7 +221,7 @@ def run_job(dataset: Path, model: Path, broker: str, output: Path, shard_size: i
     from vlmbatch.job.queue import committed_shards, job_status
 
     cmd = VLMBATCH + ["submit", str(dataset), "--model", str(model), "--broker", broker, "--output", str(output),
-                      "--shard-size", str(shard_size), "--max-tokens", str(OUTPUT_TOKENS)]
+                      "--shard-size", str(shard_size), "--max-tokens", str(W1_OUTPUT_TOKENS)]
     submitted = time.monotonic()
     submit = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert submit.stdout is not None
@@ -434,10 +368,9 @@ def run(shape: str, rows: int, shard_size: int, gpus_a: str | None, gpus_b: str 
         private_redis.wait_ready()
         say(f"redis-server on {private_redis.url}")
         model = in_child(build_model, shape, workdir)
-        words = words_for_prompt(model)
         processes_b = sum(len(spec.split(",")) for spec in gpus_b.split())
-        warmup = write_dataset(workdir / "warmup.parquet", shard_size * processes_b, 10_000_000, words)
-        timed = write_dataset(workdir / "w1.parquet", rows, 0, words)
+        warmup = write_dataset(model, workdir / "warmup.parquet", shard_size * processes_b, seed=99)
+        timed = write_dataset(model, workdir / "w1.parquet", rows, seed=100)
         for label, gpus in (("A", gpus_a), ("B", gpus_b)):
             report[label] = run_config(label, gpus.split(), model, private_redis.url, dtype, (warmup, timed),
                                        shard_size, workdir, env, timeout)

@@ -45,32 +45,16 @@ def _body_factory(max_tokens: int, image_side: int, stream: bool):
     return make_body
 
 
-def _random_checkpoint(shape: str, workdir: Path) -> Path:
-    """A Qwen2.5-VL checkpoint of real sizes with random weights (tiny tokenizer and
-    processor), written once under `workdir` and reused by later runs."""
-    import torch
-
-    from vlmbatch.bench.engine import random_model
-
-    path = workdir / f"qwen2_5_vl-{shape}"
-    done = path / ".complete"
-    if not done.exists():
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        _, model = random_model(shape, workdir, torch.bfloat16, device)
-        model.save_pretrained(path)
-        done.touch()
-    return path
-
-
 def run(model: str | None, shape: str | None, url: str | None, engine: str, api_key: str | None, levels: list[int],
         requests_per_level: int, max_tokens: int, image_side: int, stream: bool, output: Path) -> None:
-    """Start a server for `model` (or random weights of `shape`) or use the one at `url`;
-    measure each concurrency level in `levels`."""
+    """Start a server for `model` (or random weights of `shape`, written under `output`'s
+    folder) or use the one at `url`; measure each concurrency level in `levels`."""
     from vlmbatch.bench.loadgen import run_load
+    from vlmbatch.bench.shapes import resolve_shape, save_random_checkpoint
     from vlmbatch.server.launcher import ServerProcess
 
     if shape is not None:
-        model = str(_random_checkpoint(shape, output.parent))
+        model = str(save_random_checkpoint(resolve_shape(shape), output.parent))
     make_body = _body_factory(max_tokens, image_side, stream)
     server = None
     if model is not None:

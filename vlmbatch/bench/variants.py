@@ -18,15 +18,6 @@ import tempfile
 from pathlib import Path
 
 
-def capture_with_pdl_up_to(engine, max_batch: int) -> None:
-    """Capture the decode graphs again, launching with PDL for batches up to `max_batch`."""
-    from vlmbatch.engine import runner
-    from vlmbatch.engine.attention import create_backend
-
-    runner.PDL_MAX_BATCH = max_batch
-    engine.runner.use_backend(create_backend("triton", engine.device))
-
-
 def greedy_tokens(engine, prompts, tokens: int) -> list[list[int]]:
     from vlmbatch.engine.sampling_params import SamplingParams
 
@@ -44,7 +35,11 @@ def run(shapes: list[str], batches: list[int], pdl_max_batches: list[int], agree
     """Every shape x PDL variant x batch; False when a variant's tokens differ from the first's."""
     import torch
 
-    from vlmbatch.bench.engine import BenchOptions, _random_engine, decode_roofline, measure_ceilings, w1_prompts
+    from vlmbatch.bench import adapt
+    from vlmbatch.bench.engine import BenchOptions, random_engine
+    from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
+    from vlmbatch.bench.shapes import resolve_shape
+    from vlmbatch.bench.workloads import build_workload
 
     device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -55,16 +50,16 @@ def run(shapes: list[str], batches: list[int], pdl_max_batches: list[int], agree
     table = []
     for shape in shapes:
         with tempfile.TemporaryDirectory() as tmp:
-            engine = _random_engine(shape, Path(tmp), BenchOptions(decode_batches=tuple(batches), device=device_name), dtype, device)
-            prompts = w1_prompts(engine.adapter, agree_requests, seed=31, pixel_dtype=dtype)
+            engine = random_engine(resolve_shape(shape), Path(tmp), BenchOptions(decode_batches=tuple(batches), device=device_name), dtype, device)
+            prompts = adapt.engine_prompts(build_workload("w1", engine.adapter, agree_requests, seed=31), engine.adapter, dtype)
             reference = None
             for max_batch in pdl_max_batches:
-                capture_with_pdl_up_to(engine, max_batch)
+                adapt.capture_with_pdl_up_to(engine, max_batch)
                 tokens = greedy_tokens(engine, prompts, 48)
                 reference = reference if reference is not None else tokens
                 row = {"shape": shape, "pdl_max_batch": max_batch, "agree": sum(a == b for a, b in zip(tokens, reference))}
                 for batch in batches:
-                    result = decode_roofline(engine, engine.adapter, batch, ceilings)
+                    result = decode_roofline(engine, batch, ceilings)
                     row[f"b{batch}"] = {k: result[k] for k in ("decode_step_ms", "roofline_ms", "pct_of_roofline")}
                 report["rows"].append(row)
                 json_out.write_text(json.dumps(report, indent=2))
