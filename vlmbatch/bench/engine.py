@@ -190,6 +190,7 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
     """Every phase of the module docstring; returns the report (`save` gets it after each
     phase). `env`: the environment of the vLLM child. Raises `ShapeError` for a shape that
     cannot run (unknown, or its family not available)."""
+    from vlmbatch.engine.attention import available_backends
     from vlmbatch.models.registry import load_adapter, load_hf_model, resolve_device
 
     device = resolve_device(options.device)
@@ -240,8 +241,6 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         del hf_model
         report.update(adapt.vision_tower(engine))
         echo(f"vision tower: {report['vision_tower']} (transformers' attention batched per window length: {report['packed_vision_attention']})")
-        from vlmbatch.engine.attention import available_backends
-
         correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device), ceilings)
         for name, errors in correctness["backends"].items():
             echo(_check_row(name, errors, reference.bound))
@@ -255,23 +254,9 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
             result = phases.run(f"paged-{name}", _timed_run, engine, workload.head(options.requests), dtype)
             if result is not None:
                 record(result)
-        for number, roofline_shape in enumerate([shape, *extra_shapes]):
-            label = roofline_shape.name if roofline_shape else options.model
-            if number:
-                del engine
-                free_memory(device)
-                engine = phases.run(f"build-{label}", random_engine, roofline_shape, Path(tmp), options, dtype, device)
-                if engine is None:
-                    continue
-            for batch in options.decode_batches:
-                row = phases.run(f"roofline-{label}-b{batch}", decode_roofline, engine, batch, ceilings)
-                if row is not None:
-                    report["decode_roofline"].setdefault(label, []).append(row)
-                    echo(_roofline_row(label, row))
-            if options.profile_batches and not number:
-                _profiles(engine, options, label, report, phases, echo)
+        owned = [engine]  # handed over: each other shape's engine is built once this one is freed
         del engine
-        free_memory(device)
+        _rooflines(owned, [shape, *extra_shapes], options, Path(tmp), dtype, device, ceilings, report, phases, echo)
     for line in summary_table(report.get("summary", {}), report["peers"]):
         echo(line)
     report["ok"] = (bool(correctness["backends"]) and all(e["ok"] for e in correctness["backends"].values())
@@ -279,6 +264,32 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
     if save is not None:
         save(report)
     return report
+
+
+def _rooflines(owned: list, shapes: list[ModelShape | None], options: BenchOptions, workdir: Path, dtype: torch.dtype,
+               device: torch.device, ceilings: dict[str, float], report: dict[str, Any], phases: _Phases,
+               echo: Callable[[str], None]) -> None:
+    """Decode-step rooflines on the engine in `owned` (the first shape; None: real weights;
+    taken out of the list, so freeing it frees its memory), then on an engine built for
+    each other shape in turn; profiles of the first when asked."""
+    engine = owned.pop()
+    for number, shape in enumerate(shapes):
+        label = shape.name if shape else options.model
+        if number:
+            del engine
+            free_memory(device)
+            engine = phases.run(f"build-{label}", random_engine, shape, workdir, options, dtype, device)
+            if engine is None:
+                continue
+        for batch in options.decode_batches:
+            row = phases.run(f"roofline-{label}-b{batch}", decode_roofline, engine, batch, ceilings)
+            if row is not None:
+                report["decode_roofline"].setdefault(label, []).append(row)
+                echo(_roofline_row(label, row))
+        if options.profile_batches and not number:
+            _profiles(engine, options, label, report, phases, echo)
+    del engine
+    free_memory(device)
 
 
 def _timed_run(engine, workload: Workload, dtype: torch.dtype) -> RunResult:
