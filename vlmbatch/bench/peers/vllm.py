@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
@@ -148,14 +149,28 @@ def _image_tokens(output: Any) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
+    """The child's entry point: 0 when every workload ran (or vLLM is not importable), else
+    1 with the traceback in the result under `error`, after the runs that did finish."""
     spec_path, result_path = Path(argv[0]), Path(argv[1])
+    result: dict[str, Any] = {"runs": []}
 
-    def save(result: dict[str, Any]) -> None:
-        result_path.write_text(json.dumps(result, indent=2))
+    def save(current: dict[str, Any]) -> None:  # whole files only: the parent may kill us mid-run
+        result.update(current)
+        partial = result_path.with_suffix(".partial")
+        partial.write_text(json.dumps(result, indent=2))
+        partial.replace(result_path)
 
-    _child(json.loads(spec_path.read_text()), save)
+    try:
+        _child(json.loads(spec_path.read_text()), save)
+    except Exception:  # noqa: BLE001  (an OOM or a vLLM error: the parent reports it with the runs done so far)
+        save({"error": traceback.format_exc()[-4000:]})
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the result is written: skip vLLM's exit handlers, which can wait on its engine core; the parent kills the group
+
