@@ -1,50 +1,75 @@
-"""`vlmbatch bench engine`: the paged engine against the `generate()` peer, plus logit checks."""
+"""`vlmbatch bench engine`: our engine against the `generate()` and vLLM peers on the same workloads, plus logit checks."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-
-def _split(value: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
+from vlmbatch.cli.bench_options import int_list, model_shape_option, shape_or_exit, split
 
 
 def bench_engine(
-    shape: str = typer.Option("3b", "--shape", help="Qwen2.5-VL shapes with random weights: 3b, 7b (or tiny for a CPU smoke run)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Real Qwen2.5-VL weights instead of random ones."),
-    requests: int = typer.Option(1024, "--requests", help="Requests per workload on our engine."),
-    peer_requests: int = typer.Option(128, "--peer-requests", help="Requests per workload on the generate() peer (it is slow)."),
-    peer_batches: str = typer.Option("64,128", "--peer-batches", help="Static batch sizes of the peer on W1 (W2 runs the largest)."),
+    model_shape: str = model_shape_option(),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Real Qwen2-VL/Qwen2.5-VL weights instead of random ones."),
+    requests: int = typer.Option(1024, "--requests", min=1, help="Requests per workload on our engine and on vLLM."),
+    peer: str = typer.Option("hf,vllm", "--peer", help="Peers to run on the same workloads: hf (generate()), vllm; '' for none. "
+                             "A peer that cannot run here is reported as skipped, with why."),
+    peer_requests_w1: int = typer.Option(1024, "--peer-requests-w1", min=1, help="W1 requests on the generate() peer."),
+    peer_requests_w2: int = typer.Option(512, "--peer-requests-w2", min=1, help="W2 requests on the generate() peer."),
+    peer_batches: str = typer.Option("128,256", "--peer-batches", help="generate() static batch sizes, each warmed up with a full batch and timed."),
+    vllm_gpu_memory_utilization: float = typer.Option(0.85, "--vllm-gpu-memory-utilization", help="vLLM's share of GPU memory."),
+    vllm_timeout: float = typer.Option(300, "--vllm-timeout", help="Seconds the vLLM child may run (load, warm-up and both workloads)."),
+    vllm_pythonpath: str = typer.Option("", "--vllm-pythonpath", help="PYTHONPATH of the vLLM child instead of ours (e.g. /tmp/site-vllm): "
+                                        "vLLM's folder, without a transformers carried for our engine."),
     workloads: str = typer.Option("w1,w2", "--workloads", help="w1 (128 output tokens), w2 (16..512 output tokens)."),
-    backends: str = typer.Option("", "--backends", help="Attention backends to check (default: every available one)."),
-    extra_shapes: str = typer.Option("7b", "--extra-shapes", help="Shapes that get the decode-step roofline only ('' for none)."),
-    max_num_seqs: int = typer.Option(512, "--max-num-seqs", help="Most sequences in one batch."),
-    max_num_batched_tokens: int = typer.Option(16384, "--max-num-batched-tokens", help="Token budget of one prefill step."),
-    gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for weights, activations and KV cache."),
+    backends: str = typer.Option("", "--backends", help="Attention backends whose logits are checked (default: every available one)."),
+    attention_backend: str = typer.Option("auto", "--attention-backend", help="Backend of the timed runs: auto (the product's choice), triton, flash-attn, torch."),
+    check_prompts: int = typer.Option(4, "--check-prompts", min=1, help="W1 prompts whose logits are checked per backend."),
+    decode_steps: int = typer.Option(32, "--decode-steps", min=1, help="Teacher-forced decode steps checked after each prompt."),
+    decode_batches: str = typer.Option("1,64", "--decode-batches", help="Batch sizes of the decode-step roofline."),
+    extra_shapes: str = typer.Option("qwen2_5_vl_7b", "--extra-shapes", help="Shapes that get the decode-step roofline only ('' for none)."),
+    profile_batches: str = typer.Option("", "--profile-batches", help="Decode batch sizes whose kernels (and the vision tower) are profiled, e.g. 1,64."),
+    max_num_seqs: int = typer.Option(512, "--max-num-seqs", min=1, help="Most sequences in one batch."),
+    max_num_batched_tokens: int = typer.Option(16384, "--max-num-batched-tokens", min=1, help="Token budget of one prefill step."),
+    admission_batch: int = typer.Option(64, "--admission-batch", min=1, help="Free slots before waiting requests join a running batch (1 = at once)."),
+    gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for our weights, activations and KV cache."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     async_decode: bool = typer.Option(True, "--async-decode/--sync-decode", help="Launch each decode step before reading the previous one's tokens (the engine's default), or await every step."),
-    json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures."),
+    json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
-    """Requests/s, output tokens/s, decode-step time and % of roofline, ours vs generate(); logits vs transformers fp32."""
-    from vlmbatch.engine.bench import SHAPES, BenchOptions, run_bench
+    """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
+    from vlmbatch.bench.engine import BenchOptions, run_bench
+    from vlmbatch.bench.peers import PEERS
+    from vlmbatch.bench.workloads import WORKLOADS
 
-    if shape not in SHAPES:
-        raise typer.BadParameter(f"choose one of {', '.join(SHAPES)}", param_hint="--shape")
+    peers = split(peer)
+    for flag, given, known in (("--peer", peers, PEERS), ("--workloads", split(workloads), WORKLOADS)):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            raise typer.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}", param_hint=flag)
+    if model is None:
+        shape_or_exit(model_shape)
     options = BenchOptions(
-        shape=shape, model=model, requests=requests, peer_requests=peer_requests,
-        peer_batches=tuple(int(b) for b in _split(peer_batches)), workloads=_split(workloads),
-        backends=_split(backends), extra_shapes=_split(extra_shapes), max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization, device=device,
-        async_decode=async_decode,
+        model_shape=model_shape, model=model, requests=requests, peers=peers, peer_requests_w1=peer_requests_w1,
+        peer_requests_w2=peer_requests_w2, peer_batches=int_list(peer_batches, "--peer-batches"),
+        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_timeout_s=vllm_timeout,
+        vllm_pythonpath=tuple(p for p in vllm_pythonpath.split(os.pathsep) if p), workloads=split(workloads),
+        backends=split(backends), attention_backend=attention_backend, check_prompts=check_prompts, decode_steps=decode_steps,
+        decode_batches=int_list(decode_batches, "--decode-batches"),
+        extra_shapes=tuple(shape_or_exit(s).name for s in split(extra_shapes)),
+        profile_batches=int_list(profile_batches, "--profile-batches", allow_empty=True), max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
+        gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode,
     )
-    report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)))
-    for workload, figures in sorted(report.get("summary", {}).items()):
-        speedup = f"{figures['speedup']:.1f}x the best peer" if figures["speedup"] else "no peer run"
-        typer.echo(f"{workload}: {figures['paged_requests_per_s']:.1f} req/s, {speedup}")
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)),
+                       env=dict(os.environ))
+    for phase, error in report["errors"].items():
+        typer.echo(f"{phase} failed:\n{error}", err=True)
     typer.echo(f"wrote {json_out}")
     if not report["ok"] or report["errors"]:
         raise typer.Exit(1)

@@ -19,7 +19,7 @@ def bench_kernels(
     if not torch.cuda.is_available():
         typer.echo("vlmbatch bench kernels needs a CUDA GPU", err=True)
         raise typer.Exit(2)
-    from vlmbatch.kernels.bench import run_kernel_bench
+    from vlmbatch.bench.kernels import run_kernel_bench
 
     report = run_kernel_bench(json_out, sweep_configs=config_sweep, echo=typer.echo, sections=tuple(sections.split(",")))
     if not report.ok:

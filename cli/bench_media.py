@@ -4,13 +4,10 @@ on the GPU); prints a table and writes JSON (see BENCHMARKS.md and docs/preproce
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 
 def bench_media(
@@ -22,39 +19,13 @@ def bench_media(
         None, "--memory-rows", min=1,
         help="Instead: peak RSS while this many rows of a generated Parquet file go through the job's pool.",
     ),
-    output: Path = typer.Option(Path("bench-out/media.json"), "--output", "-o", help="JSON results file."),
+    output: Path = typer.Option(Path("bench-out/media.json"), "--output", "-o", "--json", help="JSON results file."),
 ) -> None:
-    """Decode + resize + normalise throughput per preprocessing path."""
-    from vlmbatch.media.bench import pool_memory, run_media_bench
+    """Decode + resize + normalise throughput per preprocessing path; exits 1 when the GPU's pixels differ from the CPU's."""
+    from vlmbatch.bench.media import run
 
-    err = Console(stderr=True)
-    if memory_rows is not None:
-        result = pool_memory(memory_rows, max_workers)
-        Console().print_json(data=result)
-        _write(output, {"benchmark": "media_pool_memory", **result})
-        err.print(f"wrote {output}")
-        return
-    report = run_media_bench(side, images, max_workers, gpu, log=err.print)
-    table = Table(title=f"media preprocessing: 1080p JPEG -> {side}x{side} pixel budget ({report.source})")
-    for column in ("path", "processes", "images", "images/s", "vs pillow"):
-        table.add_column(column, justify="right")
-    pillow = next(r for r in report.results if r.path == "pillow").images_per_s
-    for r in report.results:
-        workers = str(r.workers) if r.workers else "-"
-        table.add_row(r.path, workers, str(r.images), f"{r.images_per_s:.0f}", f"{r.images_per_s / pillow:.1f}x")
-    Console().print(table)
-    if report.gpu_parity is not None:
-        verdict = "ok" if report.ok else "MISMATCH"
-        err.print(f"GPU vs CPU pixel_values: {json.dumps(report.gpu_parity)} -> {verdict}")
-    _write(output, {"benchmark": "media", **report.to_dict()})
-    err.print(f"wrote {output}")
-    if not report.ok:
+    if not run(side, images, max_workers, gpu, memory_rows, output):
         raise typer.Exit(1)
-
-
-def _write(output: Path, data: dict) -> None:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def register(bench_app: typer.Typer) -> None:

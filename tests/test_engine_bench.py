@@ -1,48 +1,81 @@
-"""The engine benchmark end to end on the CPU with the tiny checkpoint (the GPU script's code path)."""
+"""`vlmbatch bench engine` end to end on the CPU with the tiny shape (the device run's code path),
+and the pieces of its report: the decode-step cost model and the table of peers and ratios."""
 
+import json
+
+import pytest
 import torch
+from typer.testing import CliRunner
 
-from vlmbatch.engine.bench import BenchOptions, decode_step_cost, run_bench
+from vlmbatch.bench.engine import summarize, summary_table
+from vlmbatch.bench.roofline import decode_step_cost
+from vlmbatch.bench.timing import RunResult
 
 
-def test_bench_runs_peer_and_engine_checks_logits_and_records_failures():
+def test_bench_engine_command_runs_our_engine_and_the_hf_peer_and_skips_vllm_on_the_cpu(tmp_path):
+    from vlmbatch.cli.commands import app
+
+    out = tmp_path / "engine.json"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    saved = []
     try:
-        report = run_bench(BenchOptions(
-            shape="tiny", requests=4, peer_requests=2, peer_batches=(2,), workloads=("w1",), check_prompts=2,
-            decode_steps=4, decode_batches=(2,), extra_shapes=(), max_num_seqs=4, max_num_batched_tokens=600,
-            backends=("no-such-backend", "torch"),
-        ), echo=lambda line: None, save=saved.append)
+        result = CliRunner().invoke(app, [
+            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "4", "--peer", "hf,vllm",
+            "--peer-requests-w1", "3", "--peer-batches", "2", "--workloads", "w1", "--check-prompts", "2",
+            "--decode-steps", "4", "--decode-batches", "2", "--extra-shapes", "", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "600", "--backends", "torch", "--json", str(out),
+        ])
     finally:
         torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["ok"] and not report["errors"]
+    assert report["peers"]["vllm"] == {"status": "skipped", "reason": "vLLM runs on CUDA GPUs only"}
+    assert "vllm: skipped (vLLM runs on CUDA GPUs only)" in result.output
     correctness = report["correctness"]
     assert correctness["bound_max_rel_err"] == 1e-4  # fp32 on both sides
-    # a backend that cannot run is recorded as failed; the rest of the run goes on with one that passed
-    assert not report["ok"] and "unknown attention backend" in correctness["backends"]["no-such-backend"]["error"]
-    assert correctness["fastest_backend"] == "torch" and not report["errors"]
-    assert len(saved) > 3 and saved[-1] is report
-    assert correctness["backends"]["torch"]["max_rel_err"] < 1e-4
-    assert correctness["backends"]["torch"]["top1_agreement"] == 1.0
+    assert correctness["backends"]["torch"]["max_rel_err"] < 1e-4 and correctness["backends"]["torch"]["top1_agreement"] == 1.0
     runs = {r["engine"]: r for r in report["runs"]}
-    assert runs["paged"]["output_tokens"] == 4 * 128 and runs["hf-generate-b2"]["output_tokens"] == 2 * 128
-    assert runs["paged"]["extra"]["num_prefill_steps"] >= 1 and runs["paged"]["decode_step_ms"] > 0
-    asynchronous = report["async_decoding"]
-    assert asynchronous["requests"] >= 2 and asynchronous["ok"]  # as many as one prefill step holds
-    assert asynchronous["equal"] == asynchronous["awaited_repeat_equal"] == asynchronous["requests"]
-    roofline = report["decode_roofline"]["tiny"][0]
-    assert roofline["batch"] == 2 and 0 < roofline["pct_of_roofline"]
-    assert report["summary"]["w1"]["speedup"] > 0
+    # the peer ran 3 requests in batches of 2 (a full and a partial batch) after a full warm-up batch
+    assert runs["hf-generate-b2"]["requests"] == 3 and runs["hf-generate-b2"]["output_tokens"] == 3 * 128
+    assert runs["hf-generate-b2"]["extra"]["batches"] == 2 and runs["hf-generate-b2"]["extra"]["warmup_requests"] == 2
+    assert runs["paged"]["output_tokens"] == 4 * 128 and runs["paged"]["extra"]["num_prefill_steps"] >= 1
+    assert report["workloads"]["w1"]["prompt_tokens"] == 288
+    assert report["async_decoding"]["ok"] and report["async_decoding"]["requests"] >= 2
+    assert report["decode_roofline"]["tiny"][0]["batch"] == 2
+    summary = report["summary"]["w1"]
+    assert summary["paged_vs_hf_best"] == pytest.approx(runs["paged"]["requests_per_s"] / runs["hf-generate-b2"]["requests_per_s"])
+    assert summary["vllm_requests_per_s"] is None and summary["paged_vs_vllm"] is None
+
+
+def test_a_shape_whose_family_is_missing_is_refused_by_name():
+    from vlmbatch.cli.commands import app
+
+    result = CliRunner().invoke(app, ["bench", "engine", "--model-shape", "qwen3_vl_30b_a3b", "--device", "cpu"])
+    assert result.exit_code == 2 and "qwen3_vl_30b_a3b: family not available" in result.output
+
+
+def test_summary_puts_both_peers_beside_ours_with_the_ratios():
+    runs = [RunResult("hf-generate-b128", "w1", 1024, 1024 / 21.6, 1024 * 128, extra={"batch_size": 128}),
+            RunResult("hf-generate-b256", "w1", 1024, 1024 / 26.2, 1024 * 128, extra={"batch_size": 256}),
+            RunResult("vllm", "w1", 1024, 1024 / 56.6, 1024 * 128),
+            RunResult("paged", "w1", 1024, 1024 / 110.0, 1024 * 128)]
+    summary = summarize(runs)["w1"]
+    assert summary["hf_best_batch"] == "256" and summary["hf_best_requests_per_s"] == pytest.approx(26.2)
+    assert summary["paged_vs_hf_best"] == pytest.approx(110 / 26.2) and summary["paged_vs_vllm"] == pytest.approx(110 / 56.6)
+    table = "\n".join(summary_table(summarize(runs), {"vllm": {"status": "ran"}}))
+    assert "hf b128" in table and "21.60" in table and "56.60" in table and f"{110 / 26.2:.2f}x" in table and f"{110 / 56.6:.2f}x" in table
 
 
 def test_decode_step_cost_counts_weights_once_and_kv_per_sequence(tiny_qwen):
-    from vlmbatch.engine.layers.rotary import RotaryEmbedding
-    from vlmbatch.engine.models.decoder import Decoder
     from transformers import AutoConfig
 
+    from vlmbatch.engine.decoder import Decoder, DecoderSpec
+    from vlmbatch.engine.kernel_choice import TORCH_KERNELS
+    from vlmbatch.engine.layers.rotary import RotaryEmbedding
+
     text = AutoConfig.from_pretrained(tiny_qwen).text_config
-    decoder = Decoder(text, RotaryEmbedding(torch.ones(8), mrope_section=[2, 3, 3]), bias=True)
+    decoder = Decoder(text, RotaryEmbedding(torch.ones(8), mrope_section=[2, 3, 3]), DecoderSpec(qkv_bias=True), TORCH_KERNELS)
     one_bytes, one_flops = decode_step_cost(decoder, batch=1, context=0)
     weights = sum(p.numel() for n, p in decoder.named_parameters() if not n.startswith("embed_tokens")) * 4
     assert one_bytes == weights and one_flops == 2 * weights // 4

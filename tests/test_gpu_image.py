@@ -1,6 +1,6 @@
 """The GPU image path: which images it takes, that its tensors match the CPU path's, and its
 per-image fallback. Runs on the CPU here (torchvision's CPU decoder stands in for nvJPEG);
-the CUDA comparison runs where a GPU is present (and in scripts/gpu_media_check.py)."""
+the CUDA comparison runs where a GPU is present (and in `vlmbatch bench media`)."""
 
 from __future__ import annotations
 

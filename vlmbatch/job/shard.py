@@ -8,8 +8,8 @@ stops a running shard without committing a partial part. While the engine has re
 in flight it takes only rows that are already prepared, and never waits for one.
 
 Each shard logs one `shard timing` line (rows, seconds, time the engine sat idle waiting
-for prepared rows, time in engine steps, preprocessing pool starts): scripts/
-gpu_scaling_check.py reads them from the worker logs to show where a shard's time went.
+for prepared rows, time in engine steps, preprocessing pool starts): `vlmbatch bench
+scaling` reads them from the worker logs to show where a shard's time went.
 """
 
 from __future__ import annotations

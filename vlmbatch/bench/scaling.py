@@ -1,13 +1,12 @@
-#!/usr/bin/env python
-"""Does the queue scale across GPUs? Two workers (one per GPU) on one job against one.
+"""`vlmbatch bench scaling`: does the queue scale across GPUs? Two workers (one per GPU) on one job against one.
 
-    python scripts/gpu_scaling_check.py [--shape 3b] [--rows 2048] [--redis-server .whl/redis/redis-server]
+    vlmbatch bench scaling [--model-shape 3b] [--rows 2048] [--redis-server .whl/redis/redis-server] [--json $OUT/scaling.json]
 
 Everything is real: a private `redis-server` on 127.0.0.1, `vlmbatch worker` commands,
-`vlmbatch submit` and `vlmbatch wait`. The model is a Qwen2.5-VL folder of the chosen
-shape with random bf16 weights (nothing is downloaded); the dataset is W1 (one distinct
-448x448 JPEG per row, ~288 prompt tokens, 128 output tokens), so no row can reuse another
-row's prefix or encoder output.
+`vlmbatch submit` and `vlmbatch wait`. The model is the chosen shape's folder
+(`bench.shapes`) with random bf16 weights (nothing is downloaded); the dataset is W1
+(`bench.workloads`: one distinct 448x448 JPEG per row, 288-token prompts, 128 output
+tokens), so no row can reuse another row's prefix or encoder output.
 
 Run A starts the workers of `--gpus-a` (default `0`), run B those of `--gpus-b` (default
 `0,1`: two processes of one command); each run waits until every worker process is
@@ -25,18 +24,15 @@ during the job (0: the pool it started with served every shard, as it should).
 Preprocessing pools take the product's default size (each GPU worker's share of the
 cores, less two for its engine) unless `--preprocess-workers` is given.
 
-Prints timestamped progress and tables; writes scaling.json into $OUT (or the current
-folder). Exits 1 when a run fails (a worker dies, a row errors, the job does not
-complete); the 1.9x target is reported, not enforced.
+Prints timestamped progress and tables; writes the JSON report (`--json`). Exits 1 when
+a run fails (a worker dies, a row errors, the job does not complete); the 1.9x target
+is reported, not enforced.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -47,18 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from vlmbatch.bench.workloads import W1_OUTPUT_TOKENS
 
 TARGET_RATIO = 1.9
-IMAGE_SIDE = 448
-IMAGE_TOKENS = 256  # (448 / 14) ** 2 patches, merged 2x2
-PROMPT_TOKENS = 288
-OUTPUT_TOKENS = 128
-# Qwen2.5-VL's published pixel bounds: a 448x448 image keeps its size (256 tokens).
-QWEN_IMAGE_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}
 VLMBATCH = [sys.executable, "-m", "vlmbatch.cli"]
-WORDS = ("describe the picture with care and name every colour shape and texture you can see in it "
-         "then say which part is brightest where the light seems to come from and what mood it has").split()
 STARTED = time.monotonic()
 SUCCEEDED = re.compile(r"^\[(?P<stamp>[\d-]+ [\d:]+),\d+: INFO/\w+\] Task \S+ succeeded in (?P<seconds>[\d.]+)s", re.M)
 SHARD_TIMING = re.compile(r"shard timing: (?P<fields>.*)$", re.M)
@@ -70,24 +58,11 @@ def say(message: str) -> None:
 
 # ---- model and data -------------------------------------------------------------------
 def build_model(shape: str, workdir: Path) -> Path:
-    """The random-weight checkpoint `vlmbatch bench serve` uses; for real shapes its
-    processor is widened to Qwen's own pixel bounds so W1's images give 256 tokens."""
-    from transformers import AutoProcessor
+    """The shape's folder with random bf16 weights on disk (the workers load it)."""
+    from vlmbatch.bench.shapes import resolve_shape, save_random_checkpoint
 
-    from vlmbatch.cli.bench_serve import _random_checkpoint
-
-    path = _random_checkpoint(shape, workdir)
-    processor = AutoProcessor.from_pretrained(path)
-    if shape != "tiny":
-        processor.image_processor.size = dict(QWEN_IMAGE_SIZE)
-        processor.save_pretrained(path)
-        processor.image_processor.save_pretrained(path)
-        processor = AutoProcessor.from_pretrained(path)
-    grid = processor.image_processor(images=[gradient_image(0)], return_tensors="pt")["image_grid_thw"][0]
-    tokens = int(grid.prod()) // 4
-    if shape != "tiny" and tokens != IMAGE_TOKENS:
-        raise RuntimeError(f"a {IMAGE_SIDE}x{IMAGE_SIDE} image gives {tokens} tokens, not {IMAGE_TOKENS}: processor size not applied")
-    say(f"model {path} ({shape}); a {IMAGE_SIDE}x{IMAGE_SIDE} image is {tokens} tokens")
+    path = save_random_checkpoint(resolve_shape(shape), workdir)
+    say(f"model {path} ({shape})")
     return path
 
 
@@ -107,58 +82,14 @@ def in_child(function: Any, *args: Any) -> Any:
         return pool.submit(function, *args).result()
 
 
-def gradient_image(seed: int) -> np.ndarray:
-    """A smooth colour field of its own per seed: distinct content, a small JPEG."""
-    rng = np.random.default_rng(seed)
-    axis = np.linspace(0.0, 1.0, IMAGE_SIDE, dtype=np.float32)
-    x, y = np.meshgrid(axis, axis)
-    channels = []
-    for _ in range(3):
-        a, b, c = rng.uniform(-120, 120, 2).tolist() + [rng.uniform(60, 190)]
-        freq, phase = rng.uniform(1, 6), rng.uniform(0, 2 * np.pi)
-        channels.append(c + a * x + b * y + 30 * np.sin(freq * (x + y) * np.pi + phase))
-    return np.clip(np.stack(channels, axis=-1), 0, 255).astype(np.uint8)
+def write_dataset(model: Path, path: Path, rows: int, seed: int) -> Path:
+    """`rows` W1 requests (`bench.workloads`, images seeded by `seed`) as Parquet job rows."""
+    from vlmbatch.bench.workloads import build_workload, write_parquet
+    from vlmbatch.families.registry import load_adapter
 
-
-def jpeg_bytes(pixels: np.ndarray) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="JPEG", quality=85)
-    return buffer.getvalue()
-
-
-def prompt_text(words: list[str]) -> str:
-    return ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>" + " ".join(words)
-            + "<|im_end|>\n<|im_start|>assistant\n")
-
-
-def words_for_prompt(model: Path) -> int:
-    """How many words bring a prompt to ~PROMPT_TOKENS once its placeholder is expanded."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    count = 1
-    while count < len(WORDS) and len(tokenizer(prompt_text(WORDS[:count]))["input_ids"]) - 1 + IMAGE_TOKENS < PROMPT_TOKENS:
-        count += 1
-    return count
-
-
-def write_dataset(path: Path, rows: int, first_seed: int, words: int) -> Path:
-    """W1 rows as Parquet: id, raw Qwen prompt, JPEG bytes, max_tokens."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = random.Random(first_seed)
-    seeds = range(first_seed, first_seed + rows)
-    table = pa.table({
-        "id": [f"row-{s}" for s in seeds],
-        "prompt": [prompt_text(rng.choices(WORDS, k=words)) for _ in seeds],
-        "image": [jpeg_bytes(gradient_image(s)) for s in seeds],
-        "max_tokens": [OUTPUT_TOKENS] * rows,
-    })
-    pq.write_table(table, path)
-    say(f"dataset {path}: {rows} rows, {path.stat().st_size / 2**20:.1f} MiB")
+    workload = build_workload("w1", load_adapter(str(model)), rows, seed)
+    write_parquet(workload, path)
+    say(f"dataset {path}: {rows} rows of {workload.prompt_tokens}-token prompts, {path.stat().st_size / 2**20:.1f} MiB")
     return path
 
 
@@ -166,12 +97,12 @@ def write_dataset(path: Path, rows: int, first_seed: int, words: int) -> Path:
 class PrivateRedis:
     """`redis-server` from a given path (its libraries beside it), no persistence."""
 
-    def __init__(self, binary: Path, log: Path):
+    def __init__(self, binary: Path, log: Path, env: dict[str, str]):
         from vlmbatch.workers.local import free_port
 
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")])))
+        env = dict(env, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(binary.parent), env.get("LD_LIBRARY_PATH")])))
         cmd = [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -290,7 +221,7 @@ def run_job(dataset: Path, model: Path, broker: str, output: Path, shard_size: i
     from vlmbatch.job.queue import committed_shards, job_status
 
     cmd = VLMBATCH + ["submit", str(dataset), "--model", str(model), "--broker", broker, "--output", str(output),
-                      "--shard-size", str(shard_size), "--max-tokens", str(OUTPUT_TOKENS)]
+                      "--shard-size", str(shard_size), "--max-tokens", str(W1_OUTPUT_TOKENS)]
     submitted = time.monotonic()
     submit = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert submit.stdout is not None
@@ -412,64 +343,48 @@ def print_table(a: dict[str, Any], b: dict[str, Any], ratio: float) -> None:
     print(f"B/A = {ratio:.2f}x ({verdict} the {TARGET_RATIO}x target)\n", flush=True)
 
 
-def main() -> int:
+def run(shape: str, rows: int, shard_size: int, gpus_a: str | None, gpus_b: str | None, redis_server: Path, workdir: Path,
+        preprocess_workers: int | None, timeout: float, json_out: Path, env: dict[str, str]) -> bool:
+    """Runs A and B (`gpus_*`: space-separated `--gpus` values, one worker command each;
+    None: one GPU against two, or CPU workers without CUDA); False when a run failed."""
     import torch
 
     cuda = torch.cuda.is_available()
-    gpus_a, gpus_b = default_gpus(cuda)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="3b", choices=["3b", "7b", "tiny"])
-    parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (2048/256 = 8 shards, 4 per GPU in run B)")
-    parser.add_argument("--gpus-a", default=gpus_a, help="space-separated --gpus values, one `vlmbatch worker` command each")
-    parser.add_argument("--gpus-b", default=gpus_b, help="likewise for run B")
-    parser.add_argument("--redis-server", type=Path, default=Path(".whl/redis/redis-server"))
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/vlmbatch-scaling"))
-    parser.add_argument("--preprocess-workers", type=int, default=None,
-                        help="preprocessing processes per worker process (default: the product's, from its share of the cores)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for start-up and for each job")
-    args = parser.parse_args()
-
-    workdir = args.workdir
+    default_a, default_b = default_gpus(cuda)
+    gpus_a, gpus_b = gpus_a or default_a, gpus_b or default_b
     (workdir / "out").mkdir(parents=True, exist_ok=True)
-    out_dir = Path(os.environ.get("OUT", "."))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    if args.preprocess_workers is not None:
-        env["VLMBATCH_PREPROCESS_WORKERS"] = str(args.preprocess_workers)
+    env = dict(env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if preprocess_workers is not None:
+        env["VLMBATCH_PREPROCESS_WORKERS"] = str(preprocess_workers)
     if not cuda:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # a CPU smoke test on a shared box
     dtype = "bfloat16" if cuda else "auto"
-    report: dict[str, Any] = {"shape": args.shape, "rows": args.rows, "shard_size": args.shard_size, "cuda": cuda,
+    report: dict[str, Any] = {"shape": shape, "rows": rows, "shard_size": shard_size, "cuda": cuda,
                               "devices": in_child(device_names),
-                              "preprocess_workers_per_worker": args.preprocess_workers, "target_ratio": TARGET_RATIO}
+                              "preprocess_workers_per_worker": preprocess_workers, "target_ratio": TARGET_RATIO}
     say(f"devices {report['devices'] or ['cpu']}; workdir {workdir}")
-    redis_server = PrivateRedis(args.redis_server.absolute(), workdir / "redis.log")
+    private_redis = PrivateRedis(redis_server.absolute(), workdir / "redis.log", env)
     try:
-        redis_server.wait_ready()
-        say(f"redis-server on {redis_server.url}")
-        model = in_child(build_model, args.shape, workdir)
-        words = words_for_prompt(model)
-        processes_b = sum(len(spec.split(",")) for spec in args.gpus_b.split())
-        warmup = write_dataset(workdir / "warmup.parquet", args.shard_size * processes_b, 10_000_000, words)
-        timed = write_dataset(workdir / "w1.parquet", args.rows, 0, words)
-        for label, gpus in (("A", args.gpus_a), ("B", args.gpus_b)):
-            report[label] = run_config(label, gpus.split(), model, redis_server.url, dtype, (warmup, timed),
-                                       args.shard_size, workdir, env, args.timeout)
+        private_redis.wait_ready()
+        say(f"redis-server on {private_redis.url}")
+        model = in_child(build_model, shape, workdir)
+        processes_b = sum(len(spec.split(",")) for spec in gpus_b.split())
+        warmup = write_dataset(model, workdir / "warmup.parquet", shard_size * processes_b, seed=99)
+        timed = write_dataset(model, workdir / "w1.parquet", rows, seed=100)
+        for label, gpus in (("A", gpus_a), ("B", gpus_b)):
+            report[label] = run_config(label, gpus.split(), model, private_redis.url, dtype, (warmup, timed),
+                                       shard_size, workdir, env, timeout)
         report["ratio"] = report["B"]["rows_per_s"] / report["A"]["rows_per_s"]
         report["meets_target"] = report["ratio"] >= TARGET_RATIO
         report["ok"] = True
         print_table(report["A"], report["B"], report["ratio"])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (the report says what failed; the caller exits 1)
         report["ok"] = False
         report["error"] = f"{type(exc).__name__}: {exc}"
         say(f"FAILED: {report['error']}\n{traceback.format_exc()}")
     finally:
-        redis_server.stop()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "scaling.json").write_text(json.dumps(report, indent=2))
-        say(f"wrote {out_dir / 'scaling.json'}")
-    return 0 if report["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        private_redis.stop()
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2))
+        say(f"wrote {json_out}")
+    return report["ok"]

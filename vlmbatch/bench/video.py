@@ -1,4 +1,5 @@
-"""Video decoding throughput: each backend against the `ffmpeg` command line on the same frames.
+"""`vlmbatch bench video`: decoding throughput of each backend against the `ffmpeg`
+command line on the same frames.
 
 For a 720p h264 clip (encoder-default keyframe spacing, and one keyframe per
 second) and 16 / 64 uniformly sampled frames, every backend serves `requests`
@@ -8,6 +9,8 @@ loads on `threads` concurrent loader threads (how a worker loads media); the
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import shutil
 import subprocess
@@ -17,6 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
+
+from rich.console import Console
+from rich.table import Table
 
 from vlmbatch.media.video import load_video, parse_video_options
 from vlmbatch.media.video.options import set_cpu_decoder_threads
@@ -158,3 +164,56 @@ def _result(
 
 def results_as_json(results: Sequence[BenchResult], settings: dict) -> dict:
     return {"benchmark": "video", "settings": settings, "results": [asdict(r) for r in results]}
+
+
+def default_backends() -> list[str]:
+    """Every installed backend; NVDEC only where there is a GPU."""
+    from vlmbatch.media.video import ensure_backend_available
+
+    available = []
+    for backend in ("opencv", "pyav", "torchcodec", "pynvvideocodec"):
+        try:
+            ensure_backend_available(backend)
+        except ValueError:
+            continue
+        available.append(backend)
+    if "pynvvideocodec" in available:
+        import torch
+
+        if not torch.cuda.is_available():
+            available.remove("pynvvideocodec")
+    return available
+
+
+def run(backends: list[str], frame_counts: list[int], thread_counts: list[int], requests_per_thread: int, seconds: int,
+        size: str, clip_dir: Path, json_out: Path, decoder_threads: int) -> None:
+    """The command: progress lines, then a table; every figure goes to `json_out`."""
+    width, _, height = size.partition("x")
+    console = Console()
+    console.width = max(console.width, 110)  # the table stays readable when piped
+    table = Table(title=f"video decoding: {seconds} s {size} h264, {os.cpu_count()} CPU cores, "
+                        f"{decoder_threads or 'default'} decoder threads")
+    for column in ("clip", "frames", "threads", "backend", "frames/s", "requests/s", "vs best", "CPU s/request", "same frames"):
+        table.add_column(column, justify="left" if column in ("clip", "backend") else "right", no_wrap=True)
+
+    def show(result: BenchResult) -> None:
+        console.print(  # progress: a full run takes minutes on a small machine
+            f"{result.clip} {result.frames} frames, {result.threads} threads, {result.backend}: "
+            f"{result.frames_per_s:,.1f} frames/s, {result.requests_per_s:,.2f} requests/s"
+        )
+        table.add_row(
+            result.clip, str(result.frames), str(result.threads), result.backend, f"{result.frames_per_s:,.1f}",
+            f"{result.requests_per_s:,.2f}", f"{result.slowdown_vs_best:.2f}x", f"{result.cpu_seconds / result.requests:.2f}",
+            "yes" if result.frame_indices_match else "NO",
+        )
+
+    results = run_video_bench(
+        clip_dir, backends, frame_counts, thread_counts, requests_per_thread, seconds, int(width), int(height), on_result=show,
+        decoder_threads=decoder_threads,
+    )
+    console.print(table)
+    settings = {"backends": backends, "frames": frame_counts, "threads": thread_counts, "seconds": seconds, "size": size,
+                "requests_per_thread": requests_per_thread, "cpu_count": os.cpu_count(), "decoder_threads": decoder_threads}
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(results_as_json(results, settings), indent=2))
+    console.print(f"wrote {json_out}")

@@ -1,4 +1,4 @@
-"""GPU check-and-time run for the kernels: `vlmbatch bench kernels` and scripts/gpu_kernels_bench.py.
+"""`vlmbatch bench kernels`: check the Triton kernels and time them on the GPU.
 
 One run (a few minutes on an H200) checks every kernel against its reference in bf16 and
 fp16, measures the machine's ceilings (device copy bandwidth, a bf16 8192^3 matmul), then
@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
-from .kv_cache_write import store_kvcache
-from .prefill_attention import PrefillConfig, paged_prefill_attention
-from .reference import (
+from vlmbatch.bench.roofline import measure_ceilings
+from vlmbatch.kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
+from vlmbatch.kernels.kv_cache_write import store_kvcache
+from vlmbatch.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+from vlmbatch.kernels.reference import (
     apply_rotary_ref,
     gather_paged_kv,
     paged_decode_attention_ref,
@@ -31,10 +32,10 @@ from .reference import (
     rms_norm_ref,
     store_kvcache_ref,
 )
-from .norm import rms_norm
-from .rotary import apply_rotary
-from .skinny_gemm import SkinnyConfig, skinny_linear
-from .testing import TOLERANCE, PagedKV, make_paged_kv
+from vlmbatch.kernels.norm import rms_norm
+from vlmbatch.kernels.rotary import apply_rotary
+from vlmbatch.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from vlmbatch.kernels.testing import TOLERANCE, PagedKV, make_paged_kv
 
 HEAD_DIM = 128
 MODELS = {"3B": (16, 2), "7B": (28, 4)}  # (query heads, KV heads) of Qwen2.5-VL
@@ -91,18 +92,11 @@ def median_ms(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def measure_ceilings(device: torch.device) -> dict[str, float]:
-    """What the hardware gives to plain PyTorch: the yardsticks for the kernels' numbers."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    matmul_ms = median_ms(lambda: a @ b)
-    return {
-        "copy_tb_s": 2 * src.numel() / copy_ms / 1e9,  # bytes read + written
-        "matmul_bf16_tflop_s": 2 * 8192**3 / matmul_ms / 1e9,
-    }
+def kernel_ceilings(device: torch.device) -> dict[str, float]:
+    """What the hardware gives to plain PyTorch (`roofline.measure_ceilings`), in the units of
+    the kernel tables: the yardsticks for the kernels' numbers."""
+    ceilings = measure_ceilings(device)
+    return {"copy_tb_s": ceilings["copy_bytes_per_s"] / 1e12, "matmul_bf16_tflop_s": ceilings["matmul_flops_per_s"] / 1e12}
 
 
 def compare(kernel: str, dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -367,7 +361,7 @@ def run_kernel_bench(
     section("kernels vs references", report.checks, ["kernel", "dtype", "max_abs", "max_rel", "nan", "ok"])
     if not report.ok:
         echo("FAILED: a kernel disagrees with its reference (see above); timings follow anyway")
-    report.ceilings = measure_ceilings(device)
+    report.ceilings = kernel_ceilings(device)
     echo(f"\nceilings: {report.ceilings}")
     if "prefill" in sections:
         report.prefill = bench_prefill(device, report.ceilings["matmul_bf16_tflop_s"])

@@ -1,15 +1,14 @@
-#!/usr/bin/env python3
-"""Device check for GPU video: NVDEC colour, NVDEC vs OpenCV throughput, GPU frames into the processor.
+"""`vlmbatch bench video-gpu`: NVDEC colour, NVDEC vs OpenCV throughput, GPU frames into the processor.
 
-The GPU machine has no ffmpeg and its OpenCV cannot encode h264, so make the h264
-clips where ffmpeg exists (into an ignored folder) and carry them with the wheel:
+The GPU machine has no ffmpeg and its OpenCV cannot encode h264, so make the h264 clips
+where ffmpeg exists (into an ignored folder) and carry them (docs/video.md):
 
-    python3 scripts/gpu_video_check.py --make-clips bench-out/gpu-video-clips      # CPU box, ffmpeg
-    python3 scripts/gpu_video_check.py --clips bench-out/gpu-video-clips --json $OUT/gpu_video_check.json
-    (carry: .whl, bench-out/gpu-video-clips)
-    python3 scripts/gpu_video_check.py --clips bench-out/gpu-video-clips --no-nvdec   # CPU parts only, anywhere
+    vlmbatch bench video-gpu --make-clips bench-out/gpu-video-clips      # CPU box, ffmpeg
+    vlmbatch bench video-gpu --clips bench-out/gpu-video-clips --json $OUT/gpu_video_check.json
+    vlmbatch bench video-gpu --clips bench-out/gpu-video-clips --no-nvdec   # CPU parts only, anywhere
 
-The wheel in .whl/ is installed into a temporary folder if PyNvVideoCodec is not importable.
+PyNvVideoCodec must be importable for the NVDEC parts (on the device: install its carried
+wheel with `pip install --no-deps --target DIR` and put DIR on PYTHONPATH).
 
 1. Colour: every frame of a 10 s untagged and a 10 s BT.709-tagged 720p h264 clip,
    decoded with PyNvVideoCodec's own RGB ("before"), with the vlmbatch backend (NV12 +
@@ -18,17 +17,16 @@ The wheel in .whl/ is installed into a temporary folder if PyNvVideoCodec is not
 2. Throughput: 16 and 64 uniformly sampled frames per request from two 60 s 720p h264
    clips (the encoder's keyframe spacing; one keyframe per second), `pynvvideocodec` vs
    `opencv` (FFmpeg's default threads: all cores), one request at a time
-   (`vlmbatch.media.video.bench`): frames/s, requests/s, CPU seconds per request.
+   (`vlmbatch.bench.video`): frames/s, requests/s, CPU seconds per request.
 3. GPU frames: NVDEC-decoded frames go through the tiny Qwen2.5-VL adapter as CUDA
    tensors and as host numpy (`vlmbatch.testing.gpu_frames`): `pixel_values_videos` must
    be on CUDA, the token ids and grids identical, the pixels within tolerance; and the
    cost of `media_hash` on a CUDA clip (a full host copy) next to a numpy one.
-Exits 1 if a check fails; `--json` keeps every figure.
+`run` returns False if a check fails; `--json` keeps every figure.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -39,23 +37,14 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 LIMIT = 2.0
 
 
 def import_pynvvideocodec():
     try:
-        import PyNvVideoCodec  # noqa: F401
-    except ImportError:
-        wheels = sorted(glob.glob(str(REPO / ".whl" / "pynvvideocodec-*.whl")))
-        if not wheels:
-            sys.exit("PyNvVideoCodec is not installed and no wheel is in .whl/ (carry it)")
-        target = tempfile.mkdtemp(prefix="pynvc-")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheels[-1]], check=True)
-        sys.path.insert(0, target)
-    import PyNvVideoCodec as nvc
-
+        import PyNvVideoCodec as nvc
+    except ImportError as exc:
+        raise RuntimeError("PyNvVideoCodec is not importable (install its wheel, or use --no-nvdec)") from exc
     print(f"PyNvVideoCodec {nvc.__version__}")
     return nvc
 
@@ -167,7 +156,7 @@ LONG_CLIP = {"seconds": 60, "width": 1280, "height": 720, "crf": 30}  # crf 30: 
 
 def throughput(clip_dir: Path, backends: list[str], requests: int) -> list[dict]:
     """Sampled-frame loads, one request at a time, on both 60 s clips (`vlmbatch bench video`'s loop)."""
-    from vlmbatch.media.video.bench import run_video_bench
+    from vlmbatch.bench.video import run_video_bench
 
     print(f"\n== sampled-frame throughput, 60 s 720p h264, one request at a time, {os.cpu_count()} CPU cores")
     print(f"  {'clip':12s} {'frames':>6s} {'backend':15s} {'frames/s':>9s} {'requests/s':>10s} {'CPU s/req':>9s}  same frames")
@@ -188,9 +177,9 @@ def gpu_frames_check(clip_dir: Path, backend: str, device: str) -> dict:
     import torch
 
     from vlmbatch.media.video import load_video, parse_video_options
-    from vlmbatch.media.video.bench import make_bench_clip
-    from vlmbatch.models.processor_adapter import media_hash
-    from vlmbatch.models.registry import load_adapter
+    from vlmbatch.bench.video import make_bench_clip
+    from vlmbatch.families.processor_adapter import media_hash
+    from vlmbatch.families.registry import load_adapter
     from vlmbatch.testing.gpu_frames import MAX_ABS_DIFF, MEAN_ABS_DIFF, compare_on_device, within_tolerance
     from vlmbatch.testing.tiny import make_tiny_model
 
@@ -273,7 +262,7 @@ CLIPS = {"untagged_720p.mp4": (10, False), "bt709_720p.mp4": (10, True)}
 
 def make_clips(directory: Path) -> dict[str, Path | None]:
     """The clip set in `directory`, making those that are missing (None: cannot be made here)."""
-    from vlmbatch.media.video.bench import CLIP_KINDS, make_bench_clip
+    from vlmbatch.bench.video import CLIP_KINDS, make_bench_clip
 
     directory.mkdir(parents=True, exist_ok=True)
     clips: dict[str, Path | None] = {}
@@ -297,30 +286,20 @@ def make_clips(directory: Path) -> dict[str, Path | None]:
     return clips
 
 
-def main() -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clips", help="folder of pre-made clips (made with --make-clips where ffmpeg exists)")
-    parser.add_argument("--make-clips", metavar="DIR", help="only make the clips into DIR (needs ffmpeg for h264) and exit")
-    parser.add_argument("--no-nvdec", action="store_true", help="CPU parts only (OpenCV throughput, frames check on the CPU)")
-    parser.add_argument("--requests", type=int, default=3, help="timed requests per backend, clip and frame count")
-    parser.add_argument("--json", help="write every figure to this file")
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)  # a run cut short still shows what it measured
-    if args.make_clips:
-        make_clips(Path(args.make_clips))
-        return 0
+def run(clips_dir: Path | None, no_nvdec: bool, requests: int, json_out: Path | None) -> bool:
+    """The checks on the clips in `clips_dir` (made there when missing and ffmpeg exists);
+    True when every one passed."""
     import torch
 
-    clip_dir = Path(args.clips) if args.clips else Path(tempfile.mkdtemp(prefix="gpu-video-"))
+    sys.stdout.reconfigure(line_buffering=True)  # a run cut short still shows what it measured
+    clip_dir = clips_dir or Path(tempfile.mkdtemp(prefix="gpu-video-"))
     clips = make_clips(clip_dir)
-    report: dict = {"cpu_cores": os.cpu_count(), "nvdec": not args.no_nvdec, "colour": [], "colour_limit": LIMIT}
-    if args.no_nvdec:
+    report: dict = {"cpu_cores": os.cpu_count(), "nvdec": not no_nvdec, "colour": [], "colour_limit": LIMIT}
+    if no_nvdec:
         backends, device = ["opencv"], "cpu"
     else:
         if not torch.cuda.is_available():
-            sys.exit("no CUDA device (use --no-nvdec for the CPU parts)")
+            raise RuntimeError("no CUDA device (use --no-nvdec for the CPU parts)")
         nvc = import_pynvvideocodec()
         report["device"] = torch.cuda.get_device_name()
         backends, device = ["pynvvideocodec", "opencv"], "cuda"
@@ -330,7 +309,7 @@ def main() -> int:
     ok = all(c["after_max"] <= LIMIT for c in report["colour"])
     long_clips = [name for name in clips if name not in CLIPS]
     if all(clips[name] is not None for name in long_clips):
-        report["throughput"] = throughput(clip_dir, backends, args.requests)
+        report["throughput"] = throughput(clip_dir, backends, requests)
         report["gpu_frames"] = gpu_frames_check(clip_dir, backends[0], device)
         ok = ok and report["gpu_frames"]["ok"] and all(r["frame_indices_match"] for r in report["throughput"])
     else:
@@ -340,13 +319,9 @@ def main() -> int:
         worst = max(c["after_max"] for c in report["colour"])
         print(f"\nworst per-frame colour difference after the fix: {worst:.3f}/255 (limit {LIMIT})")
     report["ok"] = ok
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_out}")
     print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return ok

@@ -1,6 +1,5 @@
-"""Images/s of decode + resize + normalise of 1080p JPEGs to a model's input, per path.
-
-Shared by `vlmbatch bench media` and scripts/gpu_media_check.py. Every path ends in the
+"""`vlmbatch bench media`: images/s of decode + resize + normalise of 1080p JPEGs to a
+model's input, per path (see docs/preprocessing.md). Every path ends in the
 same tensors, the model's own image processor output (Qwen2-VL's, with a pixel budget of
 side x side: 448 -> 200,704 pixels, i.e. 336 x 588 patches for a 16:9 picture):
 - `pillow`: one process, Pillow decode (`load_image`) + the processor, image by image: the
@@ -13,14 +12,18 @@ The GPU path is also checked against the CPU path's tensors (IDCT rounding toler
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from vlmbatch.job.pool import ProcessPool, Task
 from vlmbatch.media.gpu_image import GPU_MAX_ABS_DIFF, GPU_MEAN_ABS_DIFF, preprocess_images
@@ -178,6 +181,37 @@ def run_media_bench(
     return report
 
 
+def run(side: int, images: int, max_workers: int | None, gpu: bool | None, memory_rows: int | None, output: Path) -> bool:
+    """The command: the pool-memory probe (`memory_rows`) or every path's throughput; prints a
+    table, writes `output`; False on a GPU/CPU pixel mismatch."""
+    err = Console(stderr=True)
+    if memory_rows is not None:
+        result = pool_memory(memory_rows, max_workers)
+        Console().print_json(data=result)
+        _write(output, {"benchmark": "media_pool_memory", **result})
+        err.print(f"wrote {output}")
+        return True
+    report = run_media_bench(side, images, max_workers, gpu, log=err.print)
+    table = Table(title=f"media preprocessing: 1080p JPEG -> {side}x{side} pixel budget ({report.source})")
+    for column in ("path", "processes", "images", "images/s", "vs pillow"):
+        table.add_column(column, justify="right")
+    pillow = next(r for r in report.results if r.path == "pillow").images_per_s
+    for r in report.results:
+        workers = str(r.workers) if r.workers else "-"
+        table.add_row(r.path, workers, str(r.images), f"{r.images_per_s:.0f}", f"{r.images_per_s / pillow:.1f}x")
+    Console().print(table)
+    if report.gpu_parity is not None:
+        verdict = "ok" if report.ok else "MISMATCH"
+        err.print(f"GPU vs CPU pixel_values: {json.dumps(report.gpu_parity)} -> {verdict}")
+    _write(output, {"benchmark": "media", **report.to_dict()})
+    err.print(f"wrote {output}")
+    return report.ok
+
+
+def _write(output: Path, data: dict) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(data, indent=2) + "\n")
+
 
 def _rss_mb() -> int:
     with open("/proc/self/statm") as statm:
@@ -190,9 +224,9 @@ def _qwen_prompt_parquet(source: Any, target: Any) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vlmbatch.models.qwen2_vl import Qwen2_5_VLAdapter
+    from vlmbatch.families.qwen2_vl.adapter import Qwen2VLAdapter
 
-    prompt = (f"<|im_start|>user\n{Qwen2_5_VLAdapter.image_placeholder}What is in this picture?<|im_end|>\n"
+    prompt = (f"<|im_start|>user\n{Qwen2VLAdapter.image_placeholder}What is in this picture?<|im_end|>\n"
               "<|im_start|>assistant\n")  # fmt: skip
     data = pq.ParquetFile(source)
     with pq.ParquetWriter(target, data.schema_arrow) as writer:
@@ -210,7 +244,6 @@ def pool_memory(rows: int, workers: int | None = None, workdir: str | None = Non
     counts means the pool does not accumulate rows.
     """
     import tempfile
-    from pathlib import Path
 
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.io.manifest import Manifest

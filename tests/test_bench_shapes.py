@@ -1,0 +1,47 @@
+"""The benchmark's model shapes: registry entries, and the folder every engine (ours, `generate()`,
+vLLM's dummy loader) runs from, read back through `transformers` as those engines read it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from vlmbatch.bench.shapes import SHAPES, ShapeError, resolve_shape, write_model_folder
+
+
+def test_aliases_and_unknown_or_unavailable_shapes():
+    assert resolve_shape("3b") is SHAPES["qwen2_5_vl_3b"] and resolve_shape("7b") is SHAPES["qwen2_5_vl_7b"]
+    with pytest.raises(ShapeError, match="unknown model shape 'qwen9'.*qwen2_5_vl_3b"):
+        resolve_shape("qwen9")
+    for name in ("qwen3_vl_8b", "qwen3_vl_30b_a3b"):  # listed, refused until their family exists
+        with pytest.raises(ShapeError, match=f"{name}: family not available"):
+            resolve_shape(name)
+
+
+def test_model_folder_round_trips_through_transformers_with_the_published_sizes(tmp_path):
+    from transformers import AutoConfig, AutoProcessor
+
+    from vlmbatch.families.registry import load_adapter
+
+    shape = resolve_shape("qwen2_5_vl_3b")
+    path = write_model_folder(shape, tmp_path)
+    assert not list(path.glob("*.safetensors"))  # the tiny weights would not fit these sizes
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["Qwen2_5_VLForConditionalGeneration"]  # vLLM refuses generate() without it
+    for key, value in shape.text.items():
+        assert getattr(config.text_config, key) == value, key
+    for key, value in shape.vision.items():
+        assert getattr(config.vision_config, key) == value, key
+    assert config.tie_word_embeddings is True
+    assert len(config.text_config.layer_types) == 36
+    written = json.loads((path / "config.json").read_text())
+    assert written["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert written["text_config"]["hidden_size"] == 2048 and written["vision_config"]["out_hidden_size"] == 2048
+    # the pixel bounds travel in both files other readers take them from
+    assert json.loads((path / "preprocessor_config.json").read_text())["size"]["longest_edge"] == 28 * 28 * 16384
+    assert AutoProcessor.from_pretrained(path).image_processor.size["longest_edge"] == 28 * 28 * 16384
+    # a 448x448 image keeps its real 256 tokens (the tiny checkpoint's bounds would shrink it to 64)
+    adapter = load_adapter(str(path))
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + 256

@@ -1,0 +1,114 @@
+"""Where the benchmarks meet the engine's prompt type and internals, and nowhere else.
+
+The harnesses drive our engine through its public surface (`add_request`, `step`,
+`has_unfinished_requests`, `EngineStats`). What needs more lives here, so a change of the
+engine's internals is adapted in this one module: building the engine, turning a
+workload into its prepared prompts, teacher forcing (the scheduler and runner stepped by
+hand), switching attention backends, and reading the model's parts (the decoder's sizes for
+the roofline, the vision tower for a profile, the encoder cache for the JPEG check).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vlmbatch.bench.workloads import Workload
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.config import EngineConfig
+from vlmbatch.families.prompt import PreparedPrompt
+
+
+def paged_engine(adapter, hf_model: torch.nn.Module | None, *, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int, **options: Any):
+    """Our engine on `adapter`'s model, taking over `hf_model`'s weights when given (its
+    language model moves into the engine). `options`: `EngineConfig` settings (`max_num_seqs`,
+    `max_num_batched_tokens`, `gpu_memory_utilization`, `min_admission_batch`,
+    `attention_backend`, `async_decode`, `pdl`)."""
+    from vlmbatch.engine.paged import PagedEngine
+
+    config = EngineConfig(engine="paged", dtype=str(dtype).removeprefix("torch."), device=str(device),
+                          max_model_len=max_model_len, **options)
+    return PagedEngine(adapter, config, hf_model)
+
+
+def engine_prompts(workload: Workload, adapter, dtype: torch.dtype) -> list[PreparedPrompt]:
+    """The workload as our engine's prompts, through the model's own adapter (the product's
+    path: processor pixels, content hashes), pixels cast to the engine's dtype as the jobs'
+    preprocessing pools deliver them."""
+    prompts = []
+    for index, request in enumerate(workload.requests):
+        prompt = adapter.prepare(request.prompt, images=workload.images(index), max_tokens=request.output_tokens)
+        if prompt.num_tokens != workload.prompt_tokens:
+            raise ValueError(f"{workload.name} request {index} is {prompt.num_tokens} tokens, not {workload.prompt_tokens}")
+        for item in prompt.media:
+            item.cast_pixels(dtype)
+        prompts.append(prompt)
+    return prompts
+
+
+def with_continuation(prompt: PreparedPrompt, continuation: list[int]) -> PreparedPrompt:
+    """`prompt` followed by `continuation`'s tokens (its media unchanged)."""
+    return PreparedPrompt(prompt.prompt_token_ids + list(continuation), prompt.media, prompt.prompt)
+
+
+@torch.no_grad()
+def teacher_forced_logits(engine, prompts: list[PreparedPrompt], continuations: list[list[int]]) -> list[torch.Tensor]:
+    """Logits [len(continuation) + 1, vocab] (fp32, host) of each prompt's last token and of
+    each forced continuation token, through the engine's normal schedule (batched prefill,
+    then decode steps): the scheduler and runner stepped by hand, feeding the forced token
+    instead of the sampled one."""
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    forced = {}
+    for i, (prompt, continuation) in enumerate(zip(prompts, continuations)):
+        engine.add_request(f"teacher-forced-{i}", prompt, greedy.updated(max_tokens=len(continuation) + 1))
+        forced[f"teacher-forced-{i}"] = (list(continuation), [])
+    while engine.scheduler.has_unfinished():
+        batch = engine.scheduler.schedule()
+        engine._encode_media(batch)
+        seqs, logits = engine.runner.forward_logits(batch)
+        engine.scheduler.finish_step(batch)
+        for seq, row in zip(seqs, logits.float().cpu()):
+            continuation, rows = forced[seq.request_id]
+            rows.append(row)
+            if len(rows) <= len(continuation):
+                seq.token_ids.append(continuation[len(rows) - 1])
+            else:
+                engine.abort_request(seq.request_id)
+    return [torch.stack(rows) for _, rows in forced.values()]
+
+
+def use_attention_backend(engine, name: str) -> str:
+    """Switch the engine's attention backend (decode graphs are captured again); returns the
+    name of the one it used before."""
+    from vlmbatch.engine.attention import create_backend
+
+    before = engine.runner.backend.name
+    engine.runner.use_backend(create_backend(name, engine.model.kernels.pdl_max_rows))
+    return before
+
+
+def decoder(engine) -> torch.nn.Module:
+    """The language model's decoder (its parameters and sizes set the decode roofline)."""
+    return engine.model.decoder
+
+
+def vision_tower(engine) -> dict[str, Any]:
+    """Which vision tower runs (ours or transformers') and how its attention is batched."""
+    return {"vision_tower": "vlmbatch" if getattr(engine.model, "tower", None) is not None else "transformers",
+            "packed_vision_attention": getattr(engine.model, "packed_vision_attention", None)}
+
+
+def encode_images(engine, prompts: list[PreparedPrompt]) -> None:
+    """Run the vision tower on `prompts`' media in one batch (a prefill step's encode)."""
+    engine.model.encode([p.media for p in prompts])
+
+
+def encoder_cache_keys(engine) -> list[str]:
+    """Content keys of the media the engine encoded (engine-decoded JPEGs start with "jpeg:")."""
+    return list(engine.model.encoder_cache)
+
+
+def clear_encoder_cache(engine) -> None:
+    engine.model.encoder_cache.clear()

@@ -1,0 +1,365 @@
+"""`vlmbatch bench engine`: our paged engine against its peers on the same workloads, its
+logits against `transformers` fp32, and its decode step against the roofline.
+
+On a model shape from `bench.shapes` (random weights, nothing downloaded) or a real
+checkpoint, the phases run in this order, each recorded even when another fails:
+1. the vLLM peer in a child process on W1/W2 (`bench.peers.vllm`), while the GPU is empty;
+2. the decode roofline's ceilings (a device copy, a bf16 matmul);
+3. the `generate()` peer on W1/W2, warmed up and timed at each batch size (`bench.peers.hf`);
+4. logits of prefill + forced decode steps per attention backend against `transformers`
+   fp32 on the same weights, then asynchronous decoding against awaited steps;
+5. W1 and W2 on our engine (the peers' requests, images and output lengths);
+6. decode-step time against the roofline at a few batch sizes, for this and other shapes.
+The report (JSON) is saved after every phase; it ends with our rate, each peer's, and the
+ratios ours / vLLM and ours / the best `generate()` batch size.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vlmbatch.bench import adapt
+from vlmbatch.bench.correctness import check_async_decoding, check_backends, free_memory, logit_reference
+from vlmbatch.bench.peers.hf import run_hf_peer
+from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
+from vlmbatch.bench.profiles import profile_decode, profile_vision
+from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
+from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
+from vlmbatch.bench.timing import RunResult, run_engine
+from vlmbatch.bench.workloads import PROMPT_TOKENS, W2_OUTPUT_RANGE, Workload, build_workload
+
+VLLM_WARMUP_REQUESTS = 64
+
+
+@dataclass
+class BenchOptions:
+    model_shape: str = "qwen2_5_vl_3b"
+    model: str | None = None  # real weights instead of random ones
+    requests: int = 1024  # per workload, on our engine and on vLLM
+    peers: tuple[str, ...] = ("hf", "vllm")
+    peer_requests_w1: int = 1024  # on the generate() peer
+    peer_requests_w2: int = 512
+    peer_batches: tuple[int, ...] = (128, 256)  # generate() static batch sizes, each timed
+    vllm_gpu_memory_utilization: float = 0.85
+    vllm_timeout_s: float = 300.0
+    vllm_pythonpath: tuple[str, ...] = ()  # the vLLM child's PYTHONPATH (replacing ours) when given
+    workloads: tuple[str, ...] = ("w1", "w2")
+    backends: tuple[str, ...] = ()  # attention backends to check; () = every available one
+    attention_backend: str = "auto"  # what the timed runs use
+    check_prompts: int = 4
+    decode_steps: int = 32
+    decode_batches: tuple[int, ...] = (1, 64)
+    extra_shapes: tuple[str, ...] = ("qwen2_5_vl_7b",)  # decode roofline only
+    profile_batches: tuple[int, ...] = ()  # decode batch sizes whose kernels are profiled (main shape)
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    gpu_memory_utilization: float = 0.85
+    min_admission_batch: int = 64
+    async_decode: bool = True  # False: every decode step awaited
+    device: str = "auto"
+
+    def peer_requests(self, workload: str) -> int:
+        return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
+
+
+class _Phases:
+    """Runs the benchmark's phases so that one failing (a backend that does not compile, an
+    OOM on the 7B shapes, a peer that crashes) is recorded in the report instead of losing
+    the others; the report is saved after every phase, so a run cut short keeps its figures."""
+
+    def __init__(self, report: dict[str, Any], save: Callable[[dict[str, Any]], None] | None, echo: Callable[[str], None]):
+        self.report, self.save, self.echo = report, save, echo
+        report["errors"] = {}
+        report["phase_seconds"] = {}
+
+    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001  (any failure of a phase goes into the report)
+            self.report["errors"][name] = "".join(traceback.format_exception(exc))[-4000:]
+            self.echo(f"{name} failed: {exc.__class__.__name__}: {exc}")
+            return None
+        finally:
+            self.report["phase_seconds"][name] = round(time.perf_counter() - started, 1)
+            if self.save is not None:
+                self.save(self.report)
+
+
+def summarize(results: list[RunResult]) -> dict[str, Any]:
+    """Per workload: our rate, each peer's, and the ratios ours / vLLM and ours / the best
+    `generate()` batch size."""
+    summary = {}
+    for workload in dict.fromkeys(r.workload for r in results):
+        runs = [r for r in results if r.workload == workload]
+        ours = next((r.requests_per_s for r in runs if r.engine == "paged"), None)
+        hf = {str(r.extra["batch_size"]): r.requests_per_s for r in runs if r.engine.startswith("hf-generate")}
+        vllm = next((r.requests_per_s for r in runs if r.engine == "vllm"), None)
+        best_batch = max(hf, key=hf.get) if hf else None
+        summary[workload] = {
+            "paged_requests_per_s": ours, "hf_requests_per_s": hf, "hf_best_batch": best_batch,
+            "hf_best_requests_per_s": hf[best_batch] if hf else None, "vllm_requests_per_s": vllm,
+            "paged_vs_hf_best": ours / hf[best_batch] if ours and hf else None,
+            "paged_vs_vllm": ours / vllm if ours and vllm else None,
+        }
+    return summary
+
+
+def summary_table(summary: dict[str, Any], peers: dict[str, Any]) -> list[str]:
+    """The closing table: requests/s of ours and each peer side by side, and the ratios."""
+    batches = sorted({b for s in summary.values() for b in s["hf_requests_per_s"]}, key=int)
+
+    def cell(value: float | None, suffix: str = "") -> str:
+        return f"{value:.2f}{suffix}" if value else "-"
+
+    header = ["workload", "ours", *(f"hf b{b}" for b in batches), "hf best", "vllm", "ours/hf best", "ours/vllm"]
+    rows = [header]
+    for workload, s in summary.items():
+        rows.append([workload, cell(s["paged_requests_per_s"]), *(cell(s["hf_requests_per_s"].get(b)) for b in batches),
+                     cell(s["hf_best_requests_per_s"]), cell(s["vllm_requests_per_s"]), cell(s["paged_vs_hf_best"], "x"),
+                     cell(s["paged_vs_vllm"], "x")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["requests/s (same run, same requests):"] + ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += [f"  {name}: skipped ({peer['reason']})" for name, peer in peers.items() if peer.get("status") == "skipped"]
+    return lines
+
+
+def _row(r: RunResult) -> str:
+    step = f"{r.decode_step_ms:8.2f}" if r.decode_step_ms else "       -"
+    return f"{r.engine:18s} {r.workload:4s} {r.requests:6d} req {r.requests_per_s:9.2f} req/s {r.output_tokens_per_s:10.0f} out tok/s  decode step {step} ms"
+
+
+def _phase_row(r: RunResult) -> str:
+    """Where a paged run's wall time went (seconds; per-step milliseconds for decode)."""
+    x = r.extra
+    steps = max(1, x["num_decode_steps"])
+    return (f"  phases {r.workload}: add_request {x['add_request_s']:.2f} s, vision {x['vision_s']:.2f} s, "
+            f"prefill {x['prefill_launch_s']:.2f}+{x['prefill_wait_s']:.2f} s ({x['num_prefill_steps']} steps), "
+            f"decode {x['decode_launch_s']:.2f}+{x['decode_wait_s']:.2f} s ({steps} steps: "
+            f"{1000 * x['decode_launch_s'] / steps:.2f} ms launch + {1000 * x['decode_wait_s'] / steps:.2f} ms wait), "
+            f"host {x['host_s']:.2f} s ({1000 * x['host_s'] / max(1, x['num_steps']):.2f} ms/step)  [launch+wait]")
+
+
+def _roofline_row(shape: str, row: dict[str, float]) -> str:
+    return (f"decode {shape} batch {row['batch']:4d}: {row['decode_step_ms']:.2f} ms/step, roofline {row['roofline_ms']:.2f} ms "
+            f"= {row['pct_of_roofline']:.0f}% of roofline (launch {row['launch_ms']:.2f} + wait {row['wait_ms']:.2f} ms)")
+
+
+def _check_row(name: str, errors: dict[str, Any], bound: float) -> str:
+    if "error" in errors:
+        return f"logits vs transformers fp32 [{name}]: FAILED to run ({errors['error'].splitlines()[-1]})"
+    return (f"logits vs transformers fp32 [{name}]: max rel err {errors['max_rel_err']:.2e} (bound {bound:.2e}), "
+            f"top-1 agreement {100 * errors['top1_agreement']:.1f}%, decode step b64 {errors['decode_step_ms_b64']:.2f} ms "
+            f"-> {'ok' if errors['ok'] else 'FAIL'}")
+
+
+def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int):
+    return adapt.paged_engine(
+        adapter, hf_model, dtype=dtype, device=device, max_model_len=PROMPT_TOKENS + W2_OUTPUT_RANGE[1],
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+        gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
+        attention_backend=options.attention_backend, async_decode=options.async_decode,
+    )
+
+
+def random_engine(shape: ModelShape, workdir: Path, options: BenchOptions, dtype: torch.dtype, device: torch.device):
+    """Our engine on `shape` with random weights, sized for the decode rooflines only."""
+    from vlmbatch.families.registry import load_adapter
+
+    folder = write_model_folder(shape, workdir)
+    return _engine(load_adapter(str(folder)), random_hf_model(folder, dtype, device), options, dtype, device, max(options.decode_batches))
+
+
+def _wait_for_memory(device: torch.device, free_before: int, timeout_s: float = 60.0) -> None:
+    """Until the GPU memory a finished child held is free again (its processes die a moment
+    after it exits), so our engine sizes its KV cache from all of it."""
+    deadline = time.monotonic() + timeout_s
+    while torch.cuda.mem_get_info(device)[0] < free_before - (1 << 30) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
+              save: Callable[[dict[str, Any]], None] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Every phase of the module docstring; returns the report (`save` gets it after each
+    phase). `env`: the environment of the vLLM child. Raises `ShapeError` for a shape that
+    cannot run (unknown, or its family not available)."""
+    from vlmbatch.engine.attention import available_backends
+    from vlmbatch.engine.loading import load_hf_model, resolve_device
+    from vlmbatch.families.registry import load_adapter
+
+    device = resolve_device(options.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = None if options.model else resolve_shape(options.model_shape)
+    extra_shapes = [] if options.model else [resolve_shape(s) for s in options.extra_shapes]
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "model": options.model or shape.name, "options": asdict(options), "peers": {}, "runs": [],
+                              "decode_roofline": {}}
+    phases = _Phases(report, save, echo)
+    results: list[RunResult] = []
+
+    def record(result: RunResult) -> None:
+        results.append(result)
+        report["runs"].append(result.to_dict())
+        report["summary"] = summarize(results)
+        echo(_row(result))
+        if result.engine == "paged":
+            echo(_phase_row(result))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(options.model) if options.model else write_model_folder(shape, Path(tmp))
+        adapter = load_adapter(str(folder))
+        if options.model and not adapter.family.name.startswith("qwen"):
+            raise ValueError(f"the engine benchmark's workloads need a Qwen-VL model, not {adapter.family.name}")
+        peer_counts = {name: options.peer_requests(name) if "hf" in options.peers else 0 for name in options.workloads}
+        workloads = {name: build_workload(name, adapter, max(options.requests, peer_counts[name]), seed=100 + number)
+                     for number, name in enumerate(options.workloads)}  # fresh images per workload: no cache hits across runs
+        report["workloads"] = {name: {"requests": options.requests, "hf_requests": peer_counts[name], "prompt_tokens": w.prompt_tokens,
+                                      "image_side": w.image_side, "output_tokens": w.head(options.requests).output_tokens}
+                               for name, w in workloads.items()}
+
+        if "vllm" in options.peers:
+            phases.run("peer-vllm", _vllm_peer, options, device, folder, adapter, workloads, Path(tmp), env or {}, report, record, echo)
+        ceilings = report["ceilings"] = measure_ceilings(device)
+        echo(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+        hf_model = load_hf_model(options.model, dtype, device) if options.model else random_hf_model(folder, dtype, device)
+        if "hf" in options.peers:
+            report["peers"]["hf"] = {"status": "ran"}
+            for name, workload in workloads.items():
+                for batch_size in options.peer_batches:
+                    result = phases.run(f"peer-hf-{name}-b{batch_size}", run_hf_peer, hf_model, adapter,
+                                        workload.head(peer_counts[name]), batch_size, device, echo)
+                    if result is not None:
+                        record(result)
+        reference = logit_reference(hf_model, adapter, options.check_prompts, options.decode_steps, device)
+        engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
+        del hf_model
+        report.update(adapt.vision_tower(engine))
+        echo(f"vision tower: {report['vision_tower']} (transformers' attention batched per window length: {report['packed_vision_attention']})")
+        correctness = report["correctness"] = check_backends(engine, reference, list(options.backends) or available_backends(device), ceilings)
+        for name, errors in correctness["backends"].items():
+            echo(_check_row(name, errors, reference.bound))
+        echo(f"timed runs use the {correctness['timed_backend']} backend (fastest within the bound: {correctness['fastest_backend']})")
+        asynchronous = report["async_decoding"] = phases.run("async-decoding", check_async_decoding, engine)
+        if asynchronous is not None:
+            echo(f"asynchronous decoding: {asynchronous['equal']}/{asynchronous['requests']} requests with the awaited steps' tokens "
+                 f"(two awaited runs: {asynchronous['awaited_repeat_equal']}/{asynchronous['requests']}) "
+                 f"-> {'ok' if asynchronous['ok'] else 'FAIL'} {asynchronous['differing'] or ''}")
+        for name, workload in workloads.items():
+            result = phases.run(f"paged-{name}", _timed_run, engine, workload.head(options.requests), dtype)
+            if result is not None:
+                record(result)
+        owned = [engine]  # handed over: each other shape's engine is built once this one is freed
+        del engine
+        _rooflines(owned, [shape, *extra_shapes], options, Path(tmp), dtype, device, ceilings, report, phases, echo)
+    for line in summary_table(report.get("summary", {}), report["peers"]):
+        echo(line)
+    report["ok"] = (bool(correctness["backends"]) and all(e["ok"] for e in correctness["backends"].values())
+                    and bool(report.get("async_decoding") and report["async_decoding"]["ok"]))
+    if save is not None:
+        save(report)
+    return report
+
+
+def _rooflines(owned: list, shapes: list[ModelShape | None], options: BenchOptions, workdir: Path, dtype: torch.dtype,
+               device: torch.device, ceilings: dict[str, float], report: dict[str, Any], phases: _Phases,
+               echo: Callable[[str], None]) -> None:
+    """Decode-step rooflines on the engine in `owned` (the first shape; None: real weights;
+    taken out of the list, so freeing it frees its memory), then on an engine built for
+    each other shape in turn; profiles of the first when asked."""
+    engine = owned.pop()
+    for number, shape in enumerate(shapes):
+        label = shape.name if shape else options.model
+        if number:
+            del engine
+            free_memory(device)
+            engine = phases.run(f"build-{label}", random_engine, shape, workdir, options, dtype, device)
+            if engine is None:
+                continue
+        for batch in options.decode_batches:
+            row = phases.run(f"roofline-{label}-b{batch}", decode_roofline, engine, batch, ceilings)
+            if row is not None:
+                report["decode_roofline"].setdefault(label, []).append(row)
+                echo(_roofline_row(label, row))
+        if options.profile_batches and not number:
+            _profiles(engine, options, label, report, phases, echo)
+    del engine
+    free_memory(device)
+
+
+def _timed_run(engine, workload: Workload, dtype: torch.dtype) -> RunResult:
+    """One workload on our engine; its prompts (pixels made by the adapter) are prepared first, untimed."""
+    return run_engine(engine, adapt.engine_prompts(workload, engine.adapter, dtype), [r.output_tokens for r in workload.requests],
+                      workload.name)
+
+
+def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapter, workloads: dict[str, Workload], workdir: Path,
+               env: dict[str, str], report: dict[str, Any], record: Callable[[RunResult], None], echo: Callable[[str], None]) -> None:
+    """vLLM on the same workloads in a child process (`bench.peers.vllm`); skipped, with the
+    reason, where it cannot run. A run whose requests differ from ours is an error."""
+    missing = vllm_missing(device.type, list(options.vllm_pythonpath))
+    if missing:
+        report["peers"]["vllm"] = {"status": "skipped", "reason": missing}
+        echo(f"vllm: skipped ({missing})")
+        return
+    timed = {name: w.head(options.requests) for name, w in workloads.items()}
+    warmup = build_workload("w1", adapter, VLLM_WARMUP_REQUESTS, seed=99)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    echo(f"vllm: {len(timed)} workloads of {options.requests} requests after {VLLM_WARMUP_REQUESTS} warm-up requests, in a child process")
+    result = run_vllm_peer(folder, "auto" if options.model else "dummy", warmup, list(timed.values()),
+                           options.vllm_gpu_memory_utilization, options.vllm_timeout_s, workdir, env, list(options.vllm_pythonpath))
+    _wait_for_memory(device, free_before)
+    if "skipped" in result:
+        report["peers"]["vllm"] = {"status": "skipped", "reason": result["skipped"]}
+        echo(f"vllm: skipped ({result['skipped']})")
+        return
+    report["peers"]["vllm"] = {"status": "ran", **{k: result[k] for k in ("vllm_version", "load_s", "warmup_s") if k in result}}
+    problems = []
+    for run in result["runs"]:
+        workload = timed[run["workload"]]
+        same = run["fingerprint"] == workload.fingerprint()
+        extra = {k: run[k] for k in ("prompt_tokens", "image_tokens", "lengths_as_forced")}
+        record(RunResult("vllm", run["workload"], run["requests"], run["seconds"], run["output_tokens"], extra=dict(extra, same_requests=same)))
+        problem = _vllm_mismatch(workload, run, same)
+        if problem:
+            problems.append(f"{run['workload']}: {problem}")
+    if "error" in result or problems:
+        raise RuntimeError("; ".join(filter(None, [result.get("error"), *problems])))
+
+
+def _vllm_mismatch(workload: Workload, run: dict[str, Any], same: bool) -> str | None:
+    """What made vLLM's run differ from ours, if anything: other requests, another image
+    token count (its processor shrank the image), or output lengths not as forced. vLLM may
+    report prompts before or after it expands the image placeholder: both lengths are ours."""
+    unexpanded = sorted({len(r.prompt_token_ids) for r in workload.requests})
+    image_tokens = workload.prompt_tokens - unexpanded[0] + 1  # one placeholder per prompt
+    if not same:
+        return "its requests are not ours"
+    if run["prompt_tokens"] not in ([workload.prompt_tokens], unexpanded) or run["image_tokens"] not in ([], [image_tokens]):
+        return (f"prompts of {run['prompt_tokens']} tokens with images of {run['image_tokens']} tokens; "
+                f"ours: {workload.prompt_tokens} with {image_tokens}")
+    if not run["lengths_as_forced"]:
+        return "output lengths differ from the forced ones"
+    return None
+
+
+def _profiles(engine, options: BenchOptions, label: str, report: dict[str, Any], phases: _Phases, echo: Callable[[str], None]) -> None:
+    vision = phases.run("profile-vision", profile_vision, engine)
+    if vision is not None:
+        report["vision_profile"] = vision
+        echo(f"vision tower: {vision['images']} images in {vision['ms']:.0f} ms (profiled)")
+        for op in vision["ops"]:
+            echo(f"  {op['ms']:9.2f} ms {op['calls']:7d} calls  {op['op']}")
+    for batch in options.profile_batches:
+        kernels = phases.run(f"profile-{label}-b{batch}", profile_decode, engine, batch)
+        if kernels is not None:
+            report.setdefault("decode_kernels", {})[f"{label}-b{batch}"] = kernels
+            echo(f"decode {label} batch {batch} kernels per step:")
+            for k in kernels:
+                echo(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f} calls  {k['kernel']}")

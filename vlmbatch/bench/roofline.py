@@ -1,0 +1,63 @@
+"""The decode-step roofline: a step's bytes (weights + KV read) and FLOPs against ceilings
+measured on the same device (a device-to-device copy and a large bf16 matmul)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from vlmbatch.bench import adapt
+from vlmbatch.bench.timing import run_engine, sync
+from vlmbatch.bench.workloads import build_workload
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on `device`
+    (fp32 and small on the CPU, where bf16 matmuls crawl: its figures are for smoke runs)."""
+
+    def timed(fn: Callable[[], Any], repeats: int = 20) -> float:
+        fn()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync(device)
+        return (time.perf_counter() - start) / repeats
+
+    src = torch.empty(1 << (30 if device.type == "cuda" else 26), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src))
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    matmul_s = timed(lambda: a @ a, repeats=10)
+    return {"copy_bytes_per_s": 2 * src.numel() / copy_s, "matmul_flops_per_s": 2 * n**3 / matmul_s}
+
+
+def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode step of `batch` sequences with `context` cached tokens:
+    every weight but the embedding table is read once; each sequence reads its KV."""
+    params = sum(p.numel() for name, p in decoder.named_parameters() if not name.startswith("embed_tokens"))
+    itemsize = decoder.embed_tokens.weight.dtype.itemsize
+    layers, kv_heads, head_dim = len(decoder.layers), decoder.num_kv_heads, decoder.head_dim
+    q_heads = decoder.layers[0].self_attn.num_heads
+    kv_bytes = batch * context * layers * 2 * kv_heads * head_dim * itemsize
+    flops = 2 * params * batch + batch * layers * 4 * context * q_heads * head_dim
+    return params * itemsize + kv_bytes, flops
+
+
+def decode_roofline(engine, batch: int, ceilings: dict[str, float], steps: int = 32) -> dict[str, float]:
+    """Measured decode-step time at `batch` W1 sequences (at most the engine's max_num_seqs)
+    vs the time the ceilings allow."""
+    batch = min(batch, engine.scheduler.max_num_seqs)
+    workload = build_workload("w1", engine.adapter, batch, seed=batch)
+    result = run_engine(engine, adapt.engine_prompts(workload, engine.adapter, engine.runner.dtype), [steps] * batch, f"decode-b{batch}")
+    context = workload.prompt_tokens + steps // 2
+    nbytes, flops = decode_step_cost(adapt.decoder(engine), batch, context)
+    bound_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
+    measured_s = result.decode_step_ms / 1000
+    steps_run = max(1, result.extra["num_decode_steps"])
+    return {"batch": batch, "context": context, "decode_step_ms": result.decode_step_ms, "roofline_ms": 1000 * bound_s,
+            "pct_of_roofline": 100 * bound_s / measured_s, "bytes": nbytes, "flops": flops,
+            "launch_ms": 1000 * result.extra["decode_launch_s"] / steps_run, "wait_ms": 1000 * result.extra["decode_wait_s"] / steps_run}

@@ -1,0 +1,162 @@
+"""The model shapes the benchmarks run, from published config values, and the folders they run from.
+
+Nothing is downloaded: a shape's folder is its family's tiny checkpoint (tokenizer,
+processor, special-token ids) with `config.json` rewritten to the published sizes and
+`"architectures"` set, and the image processor's pixel bounds widened so a 448x448 image
+keeps its real token count. Weights are random: built in memory (`random_hf_model`),
+written only where another process must load them (`save_random_checkpoint`), or not at
+all (vLLM's `load_format="dummy"`).
+
+Adding a shape is one `ModelShape` entry; a shape whose family vlmbatch does not have yet
+is listed already and refused with "family not available" until it exists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One benchmarked size of one family (values from the model's published config.json)."""
+
+    name: str
+    family: str  # vlmbatch family (the tiny builder's arch and the adapter's model_type)
+    architecture: str  # config.json "architectures": without it vLLM treats the model as a pooling model
+    text: dict[str, Any] = field(default_factory=dict)  # text_config values
+    vision: dict[str, Any] = field(default_factory=dict)  # vision_config values
+    top: dict[str, Any] = field(default_factory=dict)  # top-level config values
+    image_processor: dict[str, Any] = field(default_factory=dict)  # image processor values (`size` bounds, patch...)
+    text_json_extra: dict[str, Any] = field(default_factory=dict)  # written into config.json's text_config for older readers
+    source: str = ""
+
+
+_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+_QWEN25_TEXT = dict(max_position_embeddings=128000, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+# Qwen2.5-VL's published pixel bounds: a 448x448 image keeps its size (256 tokens).
+_QWEN25_IMAGE = {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}}
+
+_QWEN3_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, spatial_merge_size=2,
+                     temporal_patch_size=2, deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304)
+_QWEN3_TEXT = dict(head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=262144,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                                    "mrope_interleaved": True})
+# Qwen3-VL's processor: patch 16, merge 2, mean/std 0.5; a 448x448 image is 196 tokens.
+_QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("tiny", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+               source="the tiny test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("qwen2_5_vl_3b", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+               text=dict(_QWEN25_TEXT, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                         intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
+               vision=dict(_QWEN25_VISION, out_hidden_size=2048), top={"tie_word_embeddings": True},
+               image_processor=_QWEN25_IMAGE, source="Qwen/Qwen2.5-VL-3B-Instruct config.json"),
+    ModelShape("qwen2_5_vl_7b", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+               text=dict(_QWEN25_TEXT, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                         intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+               vision=dict(_QWEN25_VISION, out_hidden_size=3584), top={"tie_word_embeddings": False},
+               image_processor=_QWEN25_IMAGE, source="Qwen/Qwen2.5-VL-7B-Instruct config.json"),
+    ModelShape("qwen3_vl_8b", "qwen3_vl", "Qwen3VLForConditionalGeneration",
+               text=dict(_QWEN3_TEXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8),
+               vision=dict(_QWEN3_VISION, out_hidden_size=4096), top={"tie_word_embeddings": False},
+               image_processor=_QWEN3_IMAGE, source="Qwen/Qwen3-VL-8B-Instruct config.json (../shared/FACTS.md)"),
+    ModelShape("qwen3_vl_30b_a3b", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
+               text=dict(_QWEN3_TEXT, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                         decoder_sparse_step=1, mlp_only_layers=[]),
+               vision=dict(_QWEN3_VISION, out_hidden_size=2048), top={"tie_word_embeddings": False},
+               image_processor=_QWEN3_IMAGE,
+               text_json_extra={"num_experts": 128},  # transformers 5.24 writes num_local_experts; 5.17 (vLLM's) reads this
+               source="Qwen/Qwen3-VL-30B-A3B-Instruct config.json (../shared/FACTS.md)"),
+)}
+ALIASES = {"3b": "qwen2_5_vl_3b", "7b": "qwen2_5_vl_7b"}
+
+
+class ShapeError(ValueError):
+    """An unknown shape, or one whose family vlmbatch does not have yet."""
+
+
+def resolve_shape(name: str) -> ModelShape:
+    """The registry entry for `name` (or an alias), ready to build; `ShapeError` otherwise."""
+    shape = SHAPES.get(ALIASES.get(name, name))
+    if shape is None:
+        known = ", ".join([*SHAPES, *ALIASES])
+        raise ShapeError(f"unknown model shape {name!r}; choose one of {known}")
+    missing = family_missing(shape.family)
+    if missing:
+        raise ShapeError(f"{shape.name}: family not available ({missing})")
+    return shape
+
+
+def family_missing(family: str) -> str | None:
+    """Why `family` cannot be benchmarked yet (no such family registered: every registered
+    one has a tiny checkpoint to take the tokenizer and processor from), or None."""
+    from vlmbatch.families.registry import FAMILIES
+
+    if family not in FAMILIES:
+        return f"vlmbatch has no {family} family"
+    return None
+
+
+def write_model_folder(shape: ModelShape, root: Path) -> Path:
+    """`root/<shape>`: config.json of the shape's sizes with `"architectures"`, the tiny
+    checkpoint's tokenizer, chat template and processor (pixel bounds of the shape), no
+    weights. Loads with `AutoConfig`/`AutoProcessor`, `from_config`, and vLLM's dummy loader."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from vlmbatch.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(root / shape.name, shape.family)
+    for weights in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
+        weights.unlink()  # the tiny weights do not fit the new sizes
+    config = AutoConfig.from_pretrained(path)
+    for target, values in ((config.text_config, shape.text), (config.vision_config, shape.vision), (config, shape.top)):
+        for key, value in values.items():
+            setattr(target, key, value)
+    if shape.text and getattr(config.text_config, "layer_types", None) is not None:  # derived at init: follow the new depth
+        config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+    config.architectures = [shape.architecture]
+    config.save_pretrained(path)
+    if shape.text_json_extra:
+        written = json.loads((path / "config.json").read_text())
+        written["text_config"].update(shape.text_json_extra)
+        (path / "config.json").write_text(json.dumps(written, indent=2))
+    if shape.image_processor:
+        processor = AutoProcessor.from_pretrained(path)
+        for key, value in shape.image_processor.items():
+            setattr(processor.image_processor, key, value)
+        processor.save_pretrained(path)
+        processor.image_processor.save_pretrained(path)  # preprocessor_config.json, which other readers take
+    return path
+
+
+def random_hf_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The `transformers` model of the folder at `path` with random weights, built on `device` (SDPA attention)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path), dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def save_random_checkpoint(shape: ModelShape, root: Path) -> Path:
+    """`write_model_folder` plus random bf16 weights on disk, for commands that load the model
+    in other processes (`serve`, workers, jobs); written once under `root` and reused."""
+    path = root / shape.name
+    done = path / ".complete"
+    if not done.exists():
+        write_model_folder(shape, root)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        random_hf_model(path, torch.bfloat16, device).save_pretrained(path)
+        done.touch()
+    return path
