@@ -15,9 +15,16 @@ def test_aliases_and_unknown_or_unavailable_shapes():
     assert resolve_shape("3b") is SHAPES["qwen2_5_vl_3b"] and resolve_shape("7b") is SHAPES["qwen2_5_vl_7b"]
     with pytest.raises(ShapeError, match="unknown model shape 'qwen9'.*qwen2_5_vl_3b"):
         resolve_shape("qwen9")
-    for name in ("qwen3_vl_8b", "qwen3_vl_30b_a3b"):  # listed, refused until their family exists
-        with pytest.raises(ShapeError, match=f"{name}: family not available"):
-            resolve_shape(name)
+    for name in ("qwen3_vl_8b", "qwen3_vl_30b_a3b"):  # their families exist now
+        assert resolve_shape(name).family in ("qwen3_vl", "qwen3_vl_moe")
+
+
+def test_a_shape_of_a_family_vlmbatch_lacks_is_refused(monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setitem(SHAPES, "future", replace(SHAPES["qwen3_vl_8b"], name="future", family="qwen9_vl"))
+    with pytest.raises(ShapeError, match="future: family not available"):
+        resolve_shape("future")
 
 
 def test_model_folder_round_trips_through_transformers_with_the_published_sizes(tmp_path):
@@ -45,3 +52,20 @@ def test_model_folder_round_trips_through_transformers_with_the_published_sizes(
     # a 448x448 image keeps its real 256 tokens (the tiny checkpoint's bounds would shrink it to 64)
     adapter = load_adapter(str(path))
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + 256
+
+
+@pytest.mark.parametrize(("name", "tokens"), [("qwen3_vl_8b", 196), ("qwen3_vl_30b_a3b", 196)])
+def test_qwen3_folders_keep_the_published_sizes_and_image_tokens(tmp_path, name, tokens):
+    from transformers import AutoConfig
+
+    from vlmbatch.families.registry import load_adapter
+
+    shape = resolve_shape(name)
+    path = write_model_folder(shape, tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == [shape.architecture] and config.vision_config.deepstack_visual_indexes == [8, 16, 24]
+    assert config.text_config.num_hidden_layers == shape.text["num_hidden_layers"]
+    if name.endswith("a3b"):
+        assert json.loads((path / "config.json").read_text())["text_config"]["num_experts"] == 128  # what vLLM 0.26 reads
+    adapter = load_adapter(str(path))
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + tokens
