@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from s3_harness import ByteCountingProxy, S3Endpoint
+
 from vlmbatch.errors import JobError
 from vlmbatch.io.readers import ROW_IDS_BYTE_OFFSET, open_dataset
 

@@ -7,8 +7,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from s3_harness import S3Endpoint
+
 from vlmbatch.config import ConfigError
 from vlmbatch.io import storage
 from vlmbatch.io.storage import ObjectPath, is_remote, list_names, resolve

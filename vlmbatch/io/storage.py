@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -55,6 +56,11 @@ S3_OPTIONS = {
 }
 LOCAL_PROTOCOLS = ("file", "local")
 AWS_HOST_SUFFIX = ".amazonaws.com"
+# Uploads larger than two chunks go as multipart uploads of this chunk size (S3's minimum
+# part is 5 MiB); a conditional one is decided when the upload completes.
+UPLOAD_CHUNK_BYTES = 50 * 1024**2
+# Tries after a 409 (a concurrent conditional write of the same key), with back-off.
+CONFLICT_RETRIES = 4
 # pyarrow's own default would let an unreachable endpoint stall a submit for minutes.
 CONNECT_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
@@ -98,31 +104,45 @@ class Storage:
         upload completed with it): the store decides, so of two racing writers exactly one
         wins and the object appears whole or not at all. Other fsspec filesystems use their
         own `mode="create"`: atomic where they implement it (gcsfs, by generation match),
-        else a look before the write (the last of two racing writers wins, whole)."""
-        try:
-            self.fsspec.put_file(str(local_file), path, mode="create")
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            if _precondition_failed(exc):
+        else a look before the write (the last of two racing writers wins, whole).
+
+        AWS answers 409 (ConditionalRequestConflict) when another conditional write of the
+        key is in flight: the put is tried again, and then wins or meets the winner's 412."""
+        attempt = 0
+        while True:
+            try:
+                self.fsspec.put_file(str(local_file), path, mode="create", **self._chunking())
+                return True
+            except FileExistsError:
                 return False
-            raise
-        return True
+            except OSError as exc:
+                status = _s3_status(exc)
+                if status == 412:
+                    return False
+                if status != 409 or attempt == CONFLICT_RETRIES:
+                    raise
+            time.sleep(0.1 * 2**attempt)
+            attempt += 1
 
     def put(self, local_file: Path, path: str) -> None:
         """Upload `local_file` to `path`, replacing what is there (an object appears whole)."""
-        self.fsspec.put_file(str(local_file), path)
+        self.fsspec.put_file(str(local_file), path, **self._chunking())
+
+    def _chunking(self) -> dict[str, Any]:
+        return {"chunksize": UPLOAD_CHUNK_BYTES} if self.protocol == "s3" else {}
 
 
-def _precondition_failed(exc: BaseException) -> bool:
-    """An HTTP 412 from S3. s3fs turns AWS's into `FileExistsError` (it names the
-    `If-None-Match` condition); stores that omit the condition name (SeaweedFS) arrive as
-    an `OSError` caused by botocore's `ClientError`."""
-    cause = exc.__cause__
-    response = getattr(cause, "response", None) or {}
+def _s3_status(exc: BaseException) -> int | None:
+    """The HTTP status behind an s3fs error. s3fs turns AWS's 412 into `FileExistsError` (AWS
+    names the `If-None-Match` condition); stores that omit the name (SeaweedFS), and other
+    codes, arrive as an `OSError` caused by botocore's `ClientError`."""
+    response = getattr(exc.__cause__, "response", None) or {}
     code = str(response.get("Error", {}).get("Code", ""))
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code in ("PreconditionFailed", "412") or status == 412
+    if code == "PreconditionFailed":
+        return 412
+    if code == "ConditionalRequestConflict":
+        return 409
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
 @dataclass(frozen=True)
