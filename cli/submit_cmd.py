@@ -17,14 +17,15 @@ from vlmbatch.cli.options import (
     MediaIoKwargsOption,
     ModelOption,
     OutputOption,
+    StorageOptionsOption,
     parse_json_option,
 )
 
 
 def submit(
-    dataset: Path = typer.Argument(..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media."),
+    dataset: str = typer.Argument(..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media (a path or an s3:// URL)."),
     model: str = ModelOption,
-    output: Path = OutputOption,
+    output: str = OutputOption,
     broker: Optional[str] = BrokerOption,
     engine: str = EngineOption,
     shard_size: int = typer.Option(1000, "--shard-size", envvar="VLMBATCH_SHARD_SIZE", help="Rows per shard (the unit of work and of retry)."),
@@ -47,6 +48,7 @@ def submit(
     wait: bool = typer.Option(False, "--wait", help="With --broker: follow the job with a progress bar until it ends."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
+    storage_options: Optional[str] = StorageOptionsOption,
 ) -> None:
     """Run DATASET through MODEL; results land in OUTPUT/JOB/results/*.parquet.
 
@@ -68,17 +70,20 @@ def submit(
     except Exception as exc:  # RowError from validation: a flag is out of range
         raise typer.BadParameter(str(exc))
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
+    storage = parse_json_option(storage_options, "--storage-options")
     template = chat_template.read_text() if chat_template else None
     try:
         if gpu_image_decode is not None:  # a typo fails before anything is written
             gpu_image_decode = gpu_image_decode_mode(gpu_image_decode)
         if dry_run:
-            report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media, chat_template=template)
+            report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media,
+                                  chat_template=template, storage_options=storage)
             jobs.print_dry_run(report, console)
             raise typer.Exit(0 if report.rows_failed == 0 else 1)
         manifest, job_dir = jobs.plan_job(
             dataset, model, output, engine=engine, columns=columns, sampling=sampling,
             media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
+            storage_options=storage,
         )
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)

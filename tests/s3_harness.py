@@ -29,6 +29,8 @@ from typing import Any
 
 ACCESS_KEY = "vlmbatch-test"
 SECRET_KEY = "vlmbatch-test-secret"
+READER_KEY = "vlmbatch-reader"  # may read and list, never write
+READER_SECRET = "vlmbatch-reader-secret"
 REGION = "us-east-1"
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
@@ -112,6 +114,10 @@ class S3Endpoint:
     def with_url(self, url: str) -> "S3Endpoint":
         return S3Endpoint(url, self.access_key, self.secret_key, self.region, self.bucket)
 
+    def read_only(self) -> "S3Endpoint":
+        """The same server with credentials that may read and list but not write."""
+        return S3Endpoint(self.url, READER_KEY, READER_SECRET, self.region, self.bucket)
+
 
 class SeaweedServer:
     """`weed mini` in its own process group, with a private data folder and free ports."""
@@ -131,11 +137,12 @@ class SeaweedServer:
         if version.returncode != 0:
             raise OSError(f"`{binary} version` failed: {(version.stderr or version.stdout).strip()[-500:]}")
         identities = self.folder / "identities.json"
-        identities.write_text(json.dumps({"identities": [{
-            "name": "admin",
-            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}))  # fmt: skip
+        identities.write_text(json.dumps({"identities": [
+            {"name": "admin", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+             "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
+            {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+             "actions": ["Read", "List"]},
+        ]}))  # fmt: skip
         last_error = ""
         for _ in range(3):  # a port taken between choosing and binding: choose again
             data = self.folder / f"data-{uuid.uuid4().hex[:8]}"

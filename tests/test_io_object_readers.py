@@ -18,7 +18,7 @@ import pytest
 from s3_harness import ByteCountingProxy, S3Endpoint
 
 from vlmbatch.errors import JobError
-from vlmbatch.io.readers import ROW_IDS_BYTE_OFFSET, open_dataset
+from vlmbatch.io.readers import ROW_IDS_BYTE_OFFSET, DatasetReader, ShardPlan, open_dataset
 
 ROWS = 20_000
 
@@ -39,6 +39,14 @@ def upload(s3_server: S3Endpoint, name: str, data: bytes) -> str:
     return f"s3://{key}"
 
 
+def plan_through(proxy: ByteCountingProxy, s3: S3Endpoint, url: str, shard_size: int) -> tuple[DatasetReader, list[ShardPlan], int]:
+    """Open and plan `url` through the counting proxy; returns the reader, its plans and the bytes read."""
+    proxy.reset()
+    reader = open_dataset(url, storage_options=s3.with_url(proxy.url).storage_options())
+    plans = reader.plan_shards(shard_size)
+    return reader, plans, proxy.bytes_to_client
+
+
 def jsonl_bytes() -> tuple[bytes, list[int]]:
     """ROWS lines (a few blank ones and a long one among them) and the offset of each row's line."""
     lines, offsets, position = [], [], 0
@@ -56,13 +64,7 @@ def jsonl_bytes() -> tuple[bytes, list[int]]:
 
 def test_jsonl_is_planned_by_windows_and_shards_read_their_rows(s3_server: S3Endpoint, proxy: ByteCountingProxy) -> None:
     data, offsets = jsonl_bytes()
-    url = upload(s3_server, "rows.jsonl", data)
-    options = s3_server.with_url(proxy.url).storage_options()
-
-    proxy.reset()
-    reader = open_dataset(url, storage_options=options)
-    plans = reader.plan_shards(2000)
-    planning = proxy.bytes_to_client
+    reader, plans, planning = plan_through(proxy, s3_server, upload(s3_server, "rows.jsonl", data), 2000)
     assert planning < len(data) // 5, f"planning read {planning:,} of {len(data):,} bytes"
 
     assert reader.column_names == ["id", "prompt", "n"] and reader.passthrough_schema().names == ["n"]
@@ -94,13 +96,7 @@ def test_parquet_is_planned_from_the_footer_and_shards_read_their_row_groups(
     local = tmp_path / "rows.parquet"
     pq.write_table(table, local, row_group_size=1000, compression="none")
     data = local.read_bytes()
-    url = upload(s3_server, "rows.parquet", data)
-    options = s3_server.with_url(proxy.url).storage_options()
-
-    proxy.reset()
-    reader = open_dataset(url, storage_options=options)
-    plans = reader.plan_shards(2500)
-    planning = proxy.bytes_to_client
+    reader, plans, planning = plan_through(proxy, s3_server, upload(s3_server, "rows.parquet", data), 2500)
     assert planning < len(data) // 20, f"planning read {planning:,} of {len(data):,} bytes"
     assert [p.row_groups for p in plans[:2]] == [[0, 1, 2], [2, 3, 4]] and len(plans) == 8
 
