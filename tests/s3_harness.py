@@ -173,6 +173,7 @@ class SeaweedServer:
             f"-admin.port={admin}", f"-admin.port.grpc={admin + 10000}", "-admin.ui=false",
             "-webdav=false", "-master.telemetry=false", "-master.volumeSizeLimitMB=64",
             f"-s3.config={identities}", f"-bucket={self.bucket}",
+            f"-s3.localSocket={data}/s3.sock", f"-filer.localSocket={data}/filer.sock",  # not in /tmp
         ]  # fmt: skip
         log = open(self.log_path, "ab")
         try:
