@@ -16,7 +16,11 @@ EngineOption = typer.Option(
     "auto", "--engine", envvar="VLMBATCH_ENGINE", help="Generation engine: paged (fast), hf (transformers generate, the reference) or auto."
 )
 OutputOption = typer.Option(
-    Path("vlmbatch-out"), "--output", "-o", envvar="VLMBATCH_OUTPUT_DIR", help="Folder that holds one sub-folder per job."
+    Path("vlmbatch-out"),
+    "--output",
+    "-o",
+    envvar="VLMBATCH_OUTPUT_DIR",
+    help="Folder that holds one sub-folder per job; submit and results also take an object-storage prefix (s3://bucket/prefix).",
 )
 BrokerOption = typer.Option(
     None, "--broker", envvar="VLMBATCH_BROKER_URL", help="Celery broker URL (redis://...). Without one the job runs in this process."
@@ -33,6 +37,13 @@ AttentionBackendOption = typer.Option(
     None, "--attention-backend",
     help="Paged attention kernels: auto (triton on CUDA, torch on the CPU), triton, torch or flash-attn. "
     "Unset: VLMBATCH_ATTENTION_BACKEND, else auto.",
+)
+StorageOptionsOption = typer.Option(
+    None,
+    "--storage-options",
+    envvar="VLMBATCH_STORAGE_OPTIONS",
+    help='JSON options for s3:// (or other fsspec) URLs, over the AWS environment and config files, e.g. '
+    '\'{"endpoint_url": "http://minio:9000", "profile": "lab"}\'; s3:// knows endpoint_url, region, key, secret, token, profile, anon.',
 )
 MediaIoKwargsOption = typer.Option(
     None,
@@ -55,14 +66,21 @@ def parse_json_option(value: str | None, flag: str) -> dict[str, Any]:
     return parsed
 
 
-def resolve_job_dir(job: str, output: Path) -> Path:
-    """A job is named by its id (under --output) or by the path of its folder."""
-    candidate = Path(job)
-    if (candidate / "manifest.json").exists():
-        return candidate
-    if (output / job / "manifest.json").exists():
-        return output / job
-    raise typer.BadParameter(f"no job {job!r} (looked for {candidate}/manifest.json and {output / job}/manifest.json)", param_hint="JOB")
+def resolve_job_dir(job: str, output: str | Path, storage_options: dict[str, Any] | None = None) -> Any:
+    """A job is named by its id (under --output) or by its folder's path or URL; returns
+    a `Path` or an `ObjectPath` (`vlmbatch.io.storage`)."""
+    from vlmbatch.errors import JobError
+    from vlmbatch.io.storage import resolve
+
+    try:
+        candidate = resolve(job, storage_options)
+        under = resolve(output, storage_options) / job
+        for folder in (candidate, under):
+            if (folder / "manifest.json").exists():
+                return folder
+    except (JobError, OSError) as exc:
+        raise typer.BadParameter(f"cannot look for job {job!r}: {exc}", param_hint="JOB")
+    raise typer.BadParameter(f"no job {job!r} (looked for {candidate}/manifest.json and {under}/manifest.json)", param_hint="JOB")
 
 
 def engine_config(**flags: Any) -> EngineConfig:

@@ -19,14 +19,15 @@ from vlmbatch.cli.options import (
     ModelOption,
     OutputOption,
     engine_config,
+    StorageOptionsOption,
     parse_json_option,
 )
 
 
 def submit(
-    dataset: Path = typer.Argument(..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media."),
+    dataset: str = typer.Argument(..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media (a path or an s3:// URL)."),
     model: str = ModelOption,
-    output: Path = OutputOption,
+    output: str = OutputOption,
     broker: Optional[str] = BrokerOption,
     engine: str = EngineOption,
     shard_size: int = typer.Option(1000, "--shard-size", envvar="VLMBATCH_SHARD_SIZE", help="Rows per shard (the unit of work and of retry)."),
@@ -50,6 +51,7 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
     attention_backend: Optional[str] = AttentionBackendOption,
+    storage_options: Optional[str] = StorageOptionsOption,
 ) -> None:
     """Run DATASET through MODEL; results land in OUTPUT/JOB/results/*.parquet.
 
@@ -71,18 +73,21 @@ def submit(
     except Exception as exc:  # RowError from validation: a flag is out of range
         raise typer.BadParameter(str(exc))
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
+    storage = parse_json_option(storage_options, "--storage-options")
     template = chat_template.read_text() if chat_template else None
     # Checked before anything is written (a typo in --gpu-image-decode fails here).
     config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
                            gpu_image_decode=gpu_image_decode)
     try:
         if dry_run:
-            report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media, chat_template=template)
+            report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media,
+                                  chat_template=template, storage_options=storage)
             jobs.print_dry_run(report, console)
             raise typer.Exit(0 if report.rows_failed == 0 else 1)
         manifest, job_dir = jobs.plan_job(
             dataset, model, output, engine=engine, columns=columns, sampling=sampling,
             media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
+            storage_options=storage,
         )
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)

@@ -1,12 +1,14 @@
-"""Shared fixtures: tiny random-weight checkpoints, built once per test session."""
+"""Shared fixtures: tiny random-weight checkpoints and a real S3 server, built once per test session."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from s3_harness import S3Endpoint, SeaweedServer
 from vlmbatch.testing.tiny import ARCHS, make_tiny_model
 
 
@@ -38,6 +40,24 @@ def tiny_qwen2(tiny_model_dir: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llava(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("llava")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """SeaweedFS on private ports with one bucket; skipped (with the reason) where `weed` cannot run."""
+    folder = tmp_path_factory.mktemp("seaweedfs")
+    server = SeaweedServer(folder)
+    try:
+        endpoint = server.start()
+    except (FileNotFoundError, OSError) as exc:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+        pytest.skip(f"no S3 server for the object-storage tests: {exc}")
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

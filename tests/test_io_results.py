@@ -69,7 +69,7 @@ def test_summary_finds_holes_and_duplicates_inside_a_part(job: Manifest) -> None
     write_part(job.job_dir, 2, job.num_shards, [ok(6)])
     summary = summarize(job.job_dir)
     assert summary.duplicate_row_ids == [0] and summary.missing_row_ranges == [(1, 3)]
-    write_part(job.job_dir, 0, job.num_shards, [ok(0), ok(1), ok(2)])
+    write_part(job.job_dir, 0, job.num_shards, [ok(0), ok(1), ok(2)], replace=True)
     assert summarize(job.job_dir).complete
 
 

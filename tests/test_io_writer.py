@@ -1,8 +1,9 @@
-"""Part writer: schema order, value fitting, atomic commit and replacement."""
+"""Part writer: schema order, value fitting, atomic commit, first writer wins, replacement."""
 
 from __future__ import annotations
 
 import json
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from vlmbatch.io.atomic import atomic_file
+from vlmbatch.io.atomic import atomic_file, write_new
 from vlmbatch.io.manifest import Manifest, staging_dir
 from vlmbatch.io.readers import open_dataset
 from vlmbatch.io.writer import passthrough_values, result_schema, write_part
@@ -54,12 +55,38 @@ def test_write_part_sorts_fits_and_fills(job: Manifest) -> None:
     assert got[0]["finished_at"] <= datetime.now(timezone.utc)
 
 
-def test_empty_part_is_typed_and_rewrite_replaces(job: Manifest) -> None:
+def test_empty_part_is_typed_the_first_commit_wins_and_replace_replaces(job: Manifest) -> None:
     empty = write_part(job.job_dir, 0, job.num_shards, [])
     assert pq.read_table(empty).num_rows == 0 and pq.read_schema(empty) == result_schema(job)
-    write_part(job.job_dir, 0, job.num_shards, [{"row_id": 0, "generated_text": "a"}])
+    # A second attempt of the shard (a redelivery) finds its part committed: the part stays as it was.
+    assert write_part(job.job_dir, 0, job.num_shards, [{"row_id": 0, "generated_text": "late"}]) == empty
+    assert pq.read_table(empty).num_rows == 0
+    write_part(job.job_dir, 0, job.num_shards, [{"row_id": 0, "generated_text": "a"}], replace=True)  # --retry-errors
     assert pq.read_table(empty).column("generated_text").to_pylist() == ["a"]
     assert list(staging_dir(job.job_dir).iterdir()) == []
+
+
+def test_racing_local_commits_have_exactly_one_winner(tmp_path: Path) -> None:
+    final = tmp_path / "results" / "part-00000-of-00001.parquet"
+    start = threading.Barrier(8)
+    won: list[tuple[int, bool]] = []
+
+    def commit(writer: int) -> None:
+        def write(handle) -> None:
+            start.wait()
+            pq.write_table(pa.table({"writer": [writer] * 1000}), handle)
+
+        won.append((writer, write_new(final, write, tmp_path / "staging")))
+
+    threads = [threading.Thread(target=commit, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [writer for writer, ok in won if ok]
+    assert len(winners) == 1
+    assert pq.read_table(final).column("writer").to_pylist() == winners * 1000  # whole, and the winner's
+    assert list((tmp_path / "staging").iterdir()) == []
 
 
 def test_failed_write_leaves_old_file_and_no_temp(tmp_path: Path) -> None:

@@ -2,7 +2,13 @@
 
 Everything a worker needs to run any shard is here (dataset, columns, sampling,
 shard plans, the passthrough schema), so shards can run anywhere, in any order, and
-be re-run after a crash. The file is replaced atomically.
+be re-run after a crash. The file is replaced atomically. OUTPUT may be a local folder
+or an object-storage prefix (`s3://bucket/prefix`): the manifest lies beside the results
+either way.
+
+`storage_options` (endpoint, credentials: `--storage-options`) are never written to the
+file; whoever loads a manifest passes their own, and they apply to the dataset and the
+job folder alike.
 """
 
 from __future__ import annotations
@@ -12,14 +18,14 @@ import json
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from vlmbatch.errors import JobError
 from vlmbatch.io.atomic import atomic_file
-from vlmbatch.io.readers import FORMAT_OPENAI_BATCH, ColumnMap, DatasetReader, ShardPlan
+from vlmbatch.io.readers import FORMAT_OPENAI_BATCH, ColumnMap, DatasetReader, ShardPlan, open_dataset
+from vlmbatch.io.storage import Location, ObjectPath, resolve
 
 MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -37,13 +43,14 @@ def part_name(shard_id: int, num_shards: int) -> str:
     return f"part-{shard_id:05d}-of-{num_shards:05d}.parquet"
 
 
-def results_dir(job_dir: Path) -> Path:
-    return Path(job_dir) / RESULTS_DIR
+def results_dir(job_dir: str | Location) -> Location:
+    return resolve(job_dir) / RESULTS_DIR
 
 
-def staging_dir(job_dir: Path) -> Path:
-    """Temp files live here, outside `results/`, so result globs never see them."""
-    return Path(job_dir) / STAGING_DIR
+def staging_dir(job_dir: str | Location) -> Location:
+    """Local temp files live here, outside `results/`, so result globs never see them
+    (object-storage jobs stage in the local temp folder instead: `io.atomic`)."""
+    return resolve(job_dir) / STAGING_DIR
 
 
 def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
@@ -64,7 +71,7 @@ class Manifest:
     job folder can be moved or mounted elsewhere (workers on other hosts)."""
 
     job_id: str
-    job_dir: Path
+    job_dir: Location
     dataset: str
     format: str
     model: str
@@ -73,20 +80,21 @@ class Manifest:
     sampling: dict[str, Any]
     media_io_kwargs: dict[str, Any]
     shard_size: int
-    num_rows: int
+    num_rows: int | None  # None: JSONL on object storage, counted only as shards are read
     shards: list[ShardPlan]
     passthrough_schema: pa.Schema
     broker: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     version: int = MANIFEST_VERSION
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def for_dataset(
         cls,
         reader: DatasetReader,
         *,
-        output_dir: str | Path,
+        output_dir: str | Location,
         model: str,
         engine: str,
         sampling: dict[str, Any],
@@ -94,13 +102,14 @@ class Manifest:
         media_io_kwargs: dict[str, Any] | None = None,
         broker: str | None = None,
         job_id: str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> "Manifest":
         """Plan a job over an opened dataset (one metadata pass; nothing is written)."""
         shards = reader.plan_shards(shard_size)
         job_id = job_id or new_job_id()
         return cls(
             job_id=job_id,
-            job_dir=Path(output_dir).resolve() / job_id,
+            job_dir=resolve(output_dir, storage_options).resolve() / job_id,
             dataset=str(reader.path.resolve()),
             format=reader.format,
             model=model,
@@ -109,10 +118,11 @@ class Manifest:
             sampling=sampling,
             media_io_kwargs=media_io_kwargs or {},
             shard_size=shard_size,
-            num_rows=sum(plan.num_rows for plan in shards),
+            num_rows=total_rows(shards),
             shards=shards,
             passthrough_schema=reader.passthrough_schema(),
             broker=broker,
+            storage_options=dict(storage_options or {}),
         )
 
     @property
@@ -124,8 +134,12 @@ class Manifest:
         """`custom_id` for OpenAI Batch input (what users join on), `id` otherwise."""
         return "custom_id" if self.format == FORMAT_OPENAI_BATCH else "id"
 
-    def part_path(self, shard_id: int) -> Path:
+    def part_path(self, shard_id: int) -> Location:
         return results_dir(self.job_dir) / part_name(shard_id, self.num_shards)
+
+    def open_dataset(self) -> DatasetReader:
+        """The job's dataset, opened with the job's storage options and recorded format."""
+        return open_dataset(self.dataset, self.columns, format=self.format, storage_options=self.storage_options)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,12 +162,14 @@ class Manifest:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], job_dir: str | Path) -> "Manifest":
+    def from_dict(
+        cls, data: dict[str, Any], job_dir: str | Location, storage_options: dict[str, Any] | None = None
+    ) -> "Manifest":
         if data.get("version") != MANIFEST_VERSION:
             raise JobError(f"unsupported manifest version {data.get('version')!r} (expected {MANIFEST_VERSION})")
         return cls(
             job_id=data["job_id"],
-            job_dir=Path(job_dir).resolve(),
+            job_dir=resolve(job_dir, storage_options).resolve(),
             dataset=data["dataset"],
             format=data["format"],
             model=data["model"],
@@ -169,23 +185,35 @@ class Manifest:
             extra=data.get("extra", {}),
             created_at=data["created_at"],
             version=data["version"],
+            storage_options=dict(storage_options or {}),
         )
 
-    def save(self) -> Path:
-        """Write `job_dir/manifest.json` atomically (temp in staging/, fsync, `os.replace`)."""
+    def save(self) -> Location:
+        """Write `job_dir/manifest.json` atomically (local: temp in staging/, fsync,
+        `os.replace`; object storage: one put, which shows the old object or the new one)."""
         path = self.job_dir / MANIFEST_NAME
         with atomic_file(path, staging_dir(self.job_dir)) as handle:
             handle.write(json.dumps(self.to_dict(), indent=2).encode("utf-8"))
         return path
 
     @classmethod
-    def load(cls, job_dir: str | Path) -> "Manifest":
-        job_dir = Path(job_dir)
+    def load(cls, job_dir: str | Location, storage_options: dict[str, Any] | None = None) -> "Manifest":
+        """The manifest of the job folder `job_dir` (a path or a URL). An `ObjectPath`
+        brings its own storage options; `storage_options` apply to a URL string."""
+        if isinstance(job_dir, ObjectPath):
+            storage_options = job_dir.storage.options
+        job_dir = resolve(job_dir, storage_options)
         path = job_dir / MANIFEST_NAME
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError as exc:
             raise JobError(f"not a job folder (no {MANIFEST_NAME}): {job_dir}") from exc
         except (OSError, ValueError) as exc:
             raise JobError(f"unreadable manifest {path}: {exc}") from exc
-        return cls.from_dict(data, job_dir)
+        return cls.from_dict(data, job_dir, storage_options)
+
+
+def total_rows(shards: list[ShardPlan]) -> int | None:
+    """Rows of all shards, or None when a shard's count is not known until it is read."""
+    counts = [plan.num_rows for plan in shards]
+    return None if None in counts else sum(c for c in counts if c is not None)

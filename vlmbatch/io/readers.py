@@ -1,9 +1,14 @@
-"""Dataset readers: JSONL, OpenAI Batch JSONL and Parquet.
+"""Dataset readers: JSONL, OpenAI Batch JSONL and Parquet, local or on object storage.
 
-Planning never loads the data: Parquet shards come from the footer's row groups and
-JSONL shards from one streaming scan that records the byte offset where each shard's
-first row starts. Rows are then streamed one shard at a time in bounded batches, so a
-worker's memory does not grow with the file.
+Planning never loads the data: Parquet shards come from the footer's row groups (on
+object storage the footer is read by ranged requests). Local JSONL shards come from one
+streaming scan that records the byte offset where each shard's first row starts. JSONL
+on object storage is planned without reading the object: split points are spaced by the
+mean line length of the leading sample, and a small window read at each one finds the
+next line start. Its row count is then unknown until the shards are read, so its row ids
+are the byte offsets where the rows' lines start (still unique, ordered and stable,
+whatever the shard size). Rows are then streamed one shard at a time in bounded batches,
+so a worker's memory does not grow with the file, and it reads only its shard's bytes.
 
 JSONL lines are parsed one by one with `json` rather than `pyarrow.json`: a bad line
 must become a `RowError` for that row alone, and rows legitimately differ in shape
@@ -18,15 +23,18 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from itertools import islice
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.io.schema import RESERVED_NAMES, infer_scalar_type, is_passthrough_type
+from vlmbatch.io.storage import Location, ObjectPath, open_input, parquet_source, resolve
+from vlmbatch.job.rows import SAMPLING_OVERRIDE_KEYS
 
 FORMAT_JSONL = "jsonl"
 FORMAT_OPENAI_BATCH = "openai_batch"
@@ -40,6 +48,14 @@ PARQUET_MAGIC = b"PAR1"
 SAMPLE_ROWS = 1000
 SAMPLE_BYTES = 16 * 1024**2
 DEFAULT_BATCH_SIZE = 256
+# JSONL is read in chunks that start small (a sample or a window costs little) and double
+# up to the largest (a shard streams in few requests on object storage).
+FIRST_CHUNK_BYTES = 4096
+LARGEST_CHUNK_BYTES = 8 * 1024**2
+
+# How a shard's rows are numbered (`ShardPlan.row_ids`).
+ROW_IDS_NUMBER = "number"  # the row's position in the dataset: 0, 1, 2, ...
+ROW_IDS_BYTE_OFFSET = "byte_offset"  # JSONL on object storage: where the row's line starts
 
 RowBatch = list[tuple[int, "dict[str, Any] | RowError"]]
 
@@ -77,10 +93,12 @@ class ColumnMap:
 
 @dataclass
 class ShardPlan:
-    """One shard: the rows [row_start, row_end) and where to find them in the file.
+    """One shard: the row ids [row_start, row_end) and where to find them in the file.
 
     JSONL shards carry the byte range [byte_start, byte_end) holding their lines;
-    Parquet shards carry the indices of the row groups their rows fall in.
+    Parquet shards carry the indices of the row groups their rows fall in. With
+    `row_ids == "byte_offset"` a row id is the offset of the row's line, so the id range
+    is the byte range and the number of rows is known only once the shard is read.
     """
 
     shard_id: int
@@ -89,10 +107,12 @@ class ShardPlan:
     byte_start: int | None = None
     byte_end: int | None = None
     row_groups: list[int] | None = None
+    row_ids: str = ROW_IDS_NUMBER
 
     @property
-    def num_rows(self) -> int:
-        return self.row_end - self.row_start
+    def num_rows(self) -> int | None:
+        """Rows in the shard; None while unknown (byte-offset ids)."""
+        return self.row_end - self.row_start if self.row_ids == ROW_IDS_NUMBER else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,7 +127,7 @@ class DatasetReader(ABC):
 
     format: str
 
-    def __init__(self, path: Path, columns: ColumnMap):
+    def __init__(self, path: Location, columns: ColumnMap):
         self.path = path
         self.columns = columns
 
@@ -178,7 +198,6 @@ def _parse_json_object(line: bytes) -> dict[str, Any] | RowError:
 
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 _BATCH_URL = "/v1/chat/completions"
-_BATCH_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 def _is_openai_batch_line(obj: dict[str, Any]) -> bool:
@@ -198,17 +217,70 @@ def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any] | RowError:
     row: dict[str, Any] = {"custom_id": obj["custom_id"], "messages": body["messages"]}
     if "max_completion_tokens" in body:
         row["max_tokens"] = body["max_completion_tokens"]
-    row.update({key: body[key] for key in _BATCH_SAMPLING_KEYS if key in body})
+    row.update({key: body[key] for key in SAMPLING_OVERRIDE_KEYS if key in body})
     return row
 
 
-class JsonlReader(DatasetReader):
-    """JSON Lines, including OpenAI Batch request files (rows mapped to the contract)."""
+def _chunks(handle: BinaryIO, start: int, end: int | None) -> Iterator[bytes]:
+    """The bytes [start, end) of a file (end None: to its end), in chunks of doubling size."""
+    handle.seek(start)
+    position, size = start, FIRST_CHUNK_BYTES
+    while end is None or position < end:
+        chunk = handle.read(size if end is None else min(size, end - position))
+        if not chunk:
+            return
+        position += len(chunk)
+        yield chunk
+        size = min(size * 2, LARGEST_CHUNK_BYTES)
 
-    def __init__(self, path: Path, columns: ColumnMap):
+
+def _lines_in(handle: BinaryIO, start: int, end: int | None) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of every line in the bytes [start, end), newline included.
+
+    Plans put `start` and `end` on line starts, so the range holds whole lines.
+    """
+    position = start
+    partial: list[bytes] = []  # the start of a line that continues in the next chunk
+    for chunk in _chunks(handle, start, end):
+        begin = 0
+        while (newline := chunk.find(b"\n", begin)) >= 0:
+            line = chunk[begin : newline + 1]
+            if partial:
+                line, partial = b"".join(partial) + line, []
+            yield position, line
+            position += len(line)
+            begin = newline + 1
+        if begin < len(chunk):
+            partial.append(chunk[begin:])
+    if partial:
+        yield position, b"".join(partial)
+
+
+def _next_line_start(handle: BinaryIO, offset: int, size: int) -> int:
+    """The first line start at or after `offset`: just past the first newline from
+    `offset - 1` on, found in a window that doubles until it holds one (or the file ends)."""
+    position = offset - 1
+    for chunk in _chunks(handle, position, size):
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return position + newline + 1
+        position += len(chunk)
+    return size
+
+
+class JsonlReader(DatasetReader):
+    """JSON Lines, including OpenAI Batch request files (rows mapped to the contract).
+
+    A local file is planned by one counting scan (row ids are row numbers); an object is
+    planned by windows around split points, never read whole (row ids are line offsets).
+    """
+
+    def __init__(self, path: Location, columns: ColumnMap):
         super().__init__(path, columns)
         self._num_rows: int | None = None
-        sample, seen_lines = self._read_sample()
+        self._counted = not isinstance(path, ObjectPath)
+        sample, seen_lines, sample_bytes = self._read_sample()
+        self._mean_line_bytes = sample_bytes / seen_lines if seen_lines else 0.0
         self.format = FORMAT_OPENAI_BATCH if sample and _is_openai_batch_line(sample[0]) else FORMAT_JSONL
         if self.format == FORMAT_OPENAI_BATCH:
             self.columns = ColumnMap(id="custom_id")
@@ -221,11 +293,12 @@ class JsonlReader(DatasetReader):
         if seen_lines:
             self._validate_columns()
 
-    def _read_sample(self) -> tuple[list[dict[str, Any]], int]:
-        """The parseable objects among the leading lines (bounded by SAMPLE_ROWS and SAMPLE_BYTES)."""
+    def _read_sample(self) -> tuple[list[dict[str, Any]], int, int]:
+        """The parseable objects among the leading lines (bounded by SAMPLE_ROWS and
+        SAMPLE_BYTES), how many lines were seen and their bytes."""
         rows: list[dict[str, Any]] = []
         seen = budget = 0
-        for line in self._lines(0, None):
+        for _, line in self._lines(0, None):
             seen += 1
             budget += len(line)
             row = _parse_json_object(line)
@@ -233,7 +306,7 @@ class JsonlReader(DatasetReader):
                 rows.append(row)
             if seen >= SAMPLE_ROWS or budget >= SAMPLE_BYTES:
                 break
-        return rows, seen
+        return rows, seen, budget
 
     @property
     def column_names(self) -> list[str]:
@@ -243,18 +316,19 @@ class JsonlReader(DatasetReader):
         """Count rows and record the byte offset of every shard_size-th row; returns (rows, offsets, end)."""
         starts: list[int] = []
         rows = 0
-        position = 0
-        with open(self.path, "rb") as handle:
-            for line in handle:
+        end = 0
+        with open_input(self.path) as handle:
+            for position, line in _lines_in(handle, 0, None):
                 if line.strip():
                     if shard_size and rows % shard_size == 0:
                         starts.append(position)
                     rows += 1
-                position += len(line)
+                end = position + len(line)
         self._num_rows = rows
-        return rows, starts, position
+        return rows, starts, end
 
     def num_rows(self) -> int:
+        """Counted by reading the whole file (planning an object never does this)."""
         if self._num_rows is None:
             self._scan(None)
         assert self._num_rows is not None
@@ -262,6 +336,8 @@ class JsonlReader(DatasetReader):
 
     def plan_shards(self, shard_size: int) -> list[ShardPlan]:
         _check_shard_size(shard_size)
+        if not self._counted:
+            return self._plan_by_windows(shard_size)
         rows, starts, end = self._scan(shard_size)
         bounds = starts + [end]
         return [
@@ -275,6 +351,26 @@ class JsonlReader(DatasetReader):
             for index in range(len(starts))
         ]
 
+    def _plan_by_windows(self, shard_size: int) -> list[ShardPlan]:
+        """Shards of about `shard_size` rows (by the sample's mean line length), each
+        boundary moved to the next line start by one small ranged read."""
+        if not self._mean_line_bytes:
+            return []
+        target = max(1, round(shard_size * self._mean_line_bytes))
+        with open_input(self.path) as handle:
+            size = handle.seek(0, 2)
+            bounds = [0]
+            while bounds[-1] + target < size:
+                start = _next_line_start(handle, bounds[-1] + target, size)
+                if start >= size:
+                    break
+                bounds.append(start)
+        bounds.append(size)
+        return [
+            ShardPlan(shard_id=index, row_start=low, row_end=high, byte_start=low, byte_end=high, row_ids=ROW_IDS_BYTE_OFFSET)
+            for index, (low, high) in enumerate(zip(bounds, bounds[1:]))
+        ]
+
     def iter_shard(self, plan: ShardPlan, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
         if plan.byte_start is None or plan.byte_end is None:
             raise ValueError(f"shard {plan.shard_id} has no byte range: not a JSONL plan")
@@ -283,21 +379,19 @@ class JsonlReader(DatasetReader):
     def iter_rows(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[RowBatch]:
         return self._batches(0, None, 0, batch_size)
 
-    def _lines(self, byte_start: int, byte_end: int | None) -> Iterator[bytes]:
-        """The non-blank lines that start in [byte_start, byte_end) (None: to the end of the file)."""
-        with open(self.path, "rb") as handle:
-            handle.seek(byte_start)
-            position = byte_start
-            while byte_end is None or position < byte_end:
-                line = handle.readline()
-                if not line:
-                    return
-                position += len(line)
+    def _lines(self, byte_start: int, byte_end: int | None) -> Iterator[tuple[int, bytes]]:
+        """(offset, line) of the non-blank lines in [byte_start, byte_end) (None: to the end)."""
+        with open_input(self.path) as handle:
+            for position, line in _lines_in(handle, byte_start, byte_end):
                 if line.strip():
-                    yield line
+                    yield position, line
 
     def _batches(self, byte_start: int, byte_end: int | None, first_row_id: int, batch_size: int) -> Iterator[RowBatch]:
-        rows = enumerate(map(self._parse_line, self._lines(byte_start, byte_end)), start=first_row_id)
+        lines = self._lines(byte_start, byte_end)
+        if self._counted:
+            rows = ((row_id, self._parse_line(line)) for row_id, (_, line) in enumerate(lines, start=first_row_id))
+        else:
+            rows = ((position, self._parse_line(line)) for position, line in lines)
         while batch := list(islice(rows, batch_size)):
             yield batch
 
@@ -326,10 +420,10 @@ class ParquetReader(DatasetReader):
 
     format = FORMAT_PARQUET
 
-    def __init__(self, path: Path, columns: ColumnMap):
+    def __init__(self, path: Location, columns: ColumnMap):
         super().__init__(path, columns)
         try:
-            self._file = pq.ParquetFile(path)
+            self._file = pq.ParquetFile(parquet_source(path))
         except (pa.ArrowException, OSError) as exc:
             raise JobError(f"{path}: not a readable Parquet file ({exc})") from exc
         metadata = self._file.metadata
@@ -392,9 +486,9 @@ class ParquetReader(DatasetReader):
         )
 
 
-def detect_format(path: Path, head: bytes) -> str:
+def detect_format(path: Location, head: bytes) -> str:
     """`jsonl` or `parquet` from the extension, else from the first bytes."""
-    suffix = path.suffix.lower()
+    suffix = Path(path.name).suffix.lower()
     if suffix in PARQUET_EXTENSIONS or head.startswith(PARQUET_MAGIC):
         return FORMAT_PARQUET
     if suffix in JSONL_EXTENSIONS or head.lstrip().startswith(b"{"):
@@ -402,19 +496,26 @@ def detect_format(path: Path, head: bytes) -> str:
     raise JobError(f"{path}: unknown dataset format (expected .jsonl/.json JSON Lines or .parquet)")
 
 
-def open_dataset(path: str | Path, columns: ColumnMap | None = None, format: str | None = None) -> DatasetReader:
-    """Open and validate a dataset; every job-level problem raises a one-line `JobError`.
+def open_dataset(
+    path: str | Location,
+    columns: ColumnMap | None = None,
+    format: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> DatasetReader:
+    """Open and validate a dataset (a local path or an object-storage URL); every
+    job-level problem raises a one-line `JobError` that names it.
 
     `format` (a manifest's recorded format) skips detection; JSONL and OpenAI Batch
     share one reader, which tells them apart by the lines themselves.
     """
-    path = Path(path)
-    if not path.exists():
-        raise JobError(f"dataset not found: {path}")
-    if not path.is_file():
-        raise JobError(f"dataset is not a file: {path}")
+    path = resolve(path, storage_options)
     try:
-        with open(path, "rb") as handle:
+        kind = _file_kind(path)
+        if kind == pafs.FileType.NotFound:
+            raise JobError(f"dataset not found: {path}")
+        if kind != pafs.FileType.File:
+            raise JobError(f"dataset is not a file: {path}")
+        with open_input(path) as handle:
             head = handle.read(4096)
     except OSError as exc:
         raise JobError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
@@ -424,3 +525,11 @@ def open_dataset(path: str | Path, columns: ColumnMap | None = None, format: str
     if (format or detect_format(path, head)) == FORMAT_PARQUET:
         return ParquetReader(path, columns)
     return JsonlReader(path, columns)
+
+
+def _file_kind(path: Location) -> pafs.FileType:
+    if isinstance(path, ObjectPath):
+        return path.info().type
+    if not path.exists():
+        return pafs.FileType.NotFound
+    return pafs.FileType.File if path.is_file() else pafs.FileType.Directory

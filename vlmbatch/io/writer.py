@@ -1,23 +1,30 @@
-"""Result parts: one Parquet file per shard, committed atomically.
+"""Result parts: one Parquet file per shard, committed atomically, first writer wins.
 
-A part is written to `JOB/staging/` under a name that never ends in `.parquet`,
-fsync'd, then `os.replace`d into `JOB/results/`, and the folder is fsync'd. Readers
-globbing `results/*.parquet` (pyarrow, DuckDB, Polars) therefore see every part whole
-or not at all, and a retried shard replaces its part in one step.
+A part is written to a temp file whose name never ends in `.parquet` (in `JOB/staging/`
+for a local job, in the local temp folder for an object-storage job), fsync'd, then
+committed into `JOB/results/` only if no part of that shard is there yet (`io.atomic`:
+`os.link` locally, a conditional put on S3). Readers globbing `results/*.parquet`
+(pyarrow, DuckDB, Polars) therefore see every part whole or not at all, and once a part
+is there it never changes: when two attempts of one shard finish (a redelivery), the
+first to commit wins and the other's rows are dropped. Only a retry of a part's error
+rows (`replace=True`) replaces a part, in one step.
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vlmbatch.io.atomic import atomic_file
+from vlmbatch.io.atomic import atomic_file, write_new
 from vlmbatch.io.manifest import Manifest, part_name, results_dir, staging_dir
 from vlmbatch.io.schema import RESULT_TAIL_FIELDS, ROW_ID_FIELD, coerce_scalar
+from vlmbatch.io.storage import Location
+
+log = logging.getLogger(__name__)
 
 
 def result_schema(manifest: Manifest) -> pa.Schema:
@@ -44,18 +51,24 @@ def _result_rows(manifest: Manifest, shard_id: int, rows: list[dict[str, Any]]) 
     return result
 
 
-def write_part(job_dir: str | Path, shard_id: int, num_shards: int, rows: list[dict[str, Any]]) -> Path:
-    """Commit one shard's result rows as `results/part-SSSSS-of-NNNNN.parquet`.
+def write_part(
+    job_dir: str | Location, shard_id: int, num_shards: int, rows: list[dict[str, Any]], *, replace: bool = False
+) -> Location:
+    """Commit one shard's result rows as `results/part-SSSSS-of-NNNNN.parquet`; returns its location.
 
     Each row dict holds result columns by name (missing ones are null; `model`,
     `shard_id` and `finished_at` default to the manifest's model, this shard and now).
-    An empty list still writes a typed, empty part so the shard counts as done.
+    An empty list still writes a typed, empty part so the shard counts as done. A part
+    that is already there is kept (another attempt committed first) unless `replace`.
     """
-    job_dir = Path(job_dir)
     manifest = Manifest.load(job_dir)
     schema = result_schema(manifest)
     table = pa.Table.from_pylist(_result_rows(manifest, shard_id, rows), schema=schema)
-    final = results_dir(job_dir) / part_name(shard_id, num_shards)
-    with atomic_file(final, staging_dir(job_dir)) as handle:
-        pq.write_table(table, handle)
+    final = results_dir(manifest.job_dir) / part_name(shard_id, num_shards)
+    staging = staging_dir(manifest.job_dir)
+    if replace:
+        with atomic_file(final, staging) as handle:
+            pq.write_table(table, handle)
+    elif not write_new(final, lambda handle: pq.write_table(table, handle), staging):
+        log.info("%s was committed by another attempt first; this attempt's %d rows are dropped", final, len(rows))
     return final

@@ -38,6 +38,7 @@ def dry_run(
     sampling: SamplingParams | None = None,
     media_io_kwargs: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> DryRunReport:
     """Validate every row with the model's processor (no weights are loaded)."""
     from vlmbatch.io.readers import open_dataset
@@ -45,7 +46,7 @@ def dry_run(
     from vlmbatch.families.registry import load_adapter
 
     started = time.perf_counter()
-    reader = open_dataset(dataset, columns)
+    reader = open_dataset(dataset, columns, storage_options=storage_options)
     check_media_io_kwargs(media_io_kwargs or {})
     adapter = load_adapter(model, chat_template=chat_template)
     defaults = sampling or SamplingParams()

@@ -39,7 +39,7 @@ def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bo
     one engine keeps its pool warm, as a worker does) or one started for this job."""
     started = time.perf_counter()
     todo = pending_shards(manifest, job_dir)
-    done_rows = sum(s.row_end - s.row_start for s in manifest.shards if s.shard_id not in set(todo))
+    done_rows = sum(s.num_rows or 0 for s in manifest.shards if s.shard_id not in set(todo))  # None: not counted yet
     with job_progress(console) as progress:
         task = progress.add_task(manifest.job_id, total=manifest.num_rows, completed=done_rows, failed=0, rate="")
         if not show_progress:

@@ -48,12 +48,18 @@ def plan_job(
     shard_size: int = 1000,
     broker: str | None = None,
     chat_template: str | None = None,
-) -> tuple[Any, Path]:
-    """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet."""
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet. DATASET and
+    OUTPUT may be object-storage URLs (`storage_options` apply to both); the job folder is
+    then an `ObjectPath`."""
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.readers import ShardPlan, open_dataset
+    from vlmbatch.io.storage import is_remote
 
-    reader = open_dataset(dataset, columns)
+    if broker and (is_remote(dataset) or is_remote(output)):
+        raise JobError("object-storage datasets and outputs run in-process for now: submit them without a broker")
+    reader = open_dataset(dataset, columns, storage_options=storage_options)
     check_model(model)
     check_media_io_kwargs(media_io_kwargs or {})
     manifest = Manifest.for_dataset(
@@ -65,12 +71,16 @@ def plan_job(
         media_io_kwargs=media_io_kwargs or {},
         shard_size=shard_size,
         broker=broker,
+        storage_options=storage_options,
     )
     if not manifest.shards:  # an empty dataset completes with one empty, typed part
         manifest.shards = [ShardPlan(shard_id=0, row_start=0, row_end=0, byte_start=0, byte_end=0, row_groups=[])]
     if chat_template:
         manifest.extra["chat_template"] = chat_template
-    manifest.save()
+    try:
+        manifest.save()
+    except OSError as exc:  # an output that cannot be written (no such bucket, no permission)
+        raise JobError(f"cannot write the job's manifest to {manifest.job_dir}: {exc}") from exc
     return manifest, manifest.job_dir
 
 

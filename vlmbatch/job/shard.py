@@ -159,9 +159,7 @@ def run_shard(
     `row_range` restricts the run to a sub-range (poison-shard splitting).
     `preparer` is the caller's preprocessing pool, kept across shards (else one per call).
     """
-    import pyarrow.parquet as pq
-
-    from vlmbatch.io.readers import open_dataset
+    from vlmbatch.io.results import read_part
     from vlmbatch.io.writer import write_part
 
     started = time.monotonic()
@@ -172,11 +170,11 @@ def run_shard(
     kept: list[dict[str, Any]] = []
     only_rows: set[int] | None = None
     if retry_errors:
-        previous = pq.read_table(manifest.part_path(shard_id)).to_pylist()
+        previous = read_part(manifest.part_path(shard_id)).to_pylist()
         kept = [r for r in previous if r["error_type"] is None]
         only_rows = {r["row_id"] for r in previous if r["error_type"] is not None}
 
-    reader = open_dataset(manifest.dataset, manifest.columns)
+    reader = manifest.open_dataset()
     source = _rows_in_range(reader.iter_shard(plan), row_range, only_rows)
     defaults = SamplingParams(**manifest.sampling)
     adapter = llm.adapter if llm is not None else None
@@ -214,7 +212,7 @@ def run_shard(
     outcome.rows.extend(kept)
     outcome.rows.sort(key=lambda r: r["row_id"])
     if commit:
-        outcome.part_path = write_part(job_dir, shard_id, manifest.num_shards, outcome.rows)
+        outcome.part_path = write_part(job_dir, shard_id, manifest.num_shards, outcome.rows, replace=retry_errors)
         outcome.rows = []
     return outcome
 
