@@ -13,7 +13,7 @@ app.add_typer(bench_app, name="bench")
 
 # Top-level command groups, then the benchmark groups; each module has `register(...)`.
 COMMAND_MODULES = ["submit_cmd", "results_cmd", "tiny_cmd", "queue_cmds", "serve_cmd"]
-BENCH_MODULES = ["bench_engine", "bench_kernels", "bench_video", "bench_media", "bench_queue", "bench_serve", "bench_dryrun"]
+BENCH_MODULES = ["bench_engine", "bench_kernels", "bench_video", "bench_media", "bench_queue", "bench_serve", "bench_dryrun", "bench_structured"]
 
 for names, target in ((COMMAND_MODULES, app), (BENCH_MODULES, bench_app)):
     for name in names:

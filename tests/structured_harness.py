@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,22 @@ def tiny_grammar(tiny_qwen: Path) -> TinyGrammar:
     grammar = TinyGrammar(tiny_qwen)
     yield grammar
     grammar.compiler.close()
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size]: which tokens each row of an int32 bitmask allows."""
+    words = bitmask.cpu().numpy().view(np.uint32)
+    bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return torch.from_numpy(bits.reshape(len(words), -1)[:, :vocab_size].astype(bool))
+
+
+def masked_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """What masking must give: -inf where a listed row's bit is 0, everything else as it was."""
+    expected = logits.clone()
+    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
+    for row in rows:
+        expected[row] = logits[row].masked_fill(~allowed[row], float("-inf"))
+    return expected
 
 
 def random_logits(generator: torch.Generator, rows: int, vocab_size: int) -> torch.Tensor:
