@@ -26,6 +26,7 @@ class ErrorType:
     ENGINE = "engine_error"  # the engine failed on this row alone
     STRUCTURED_OUTPUT_INCOMPLETE = "structured_output_incomplete"  # max_tokens reached before the grammar completed
     STRUCTURED_OUTPUT_DEAD_END = "structured_output_dead_end"  # no token could continue the grammar (EOS forced)
+    STRUCTURED_OUTPUT_INVALID = "structured_output_invalid"  # the text is not JSON or does not fit the output column's type
     WORKER_CRASH = "worker_crash"  # the row killed its worker process every time (poison)
 
 
