@@ -15,15 +15,18 @@ from vlmbatch.cli.options import (
     GpuImageDecodeOption,
     EngineOption,
     MediaIoKwargsOption,
-    ModelOption,
     OutputOption,
     parse_json_option,
 )
 
 
 def submit(
-    dataset: Path = typer.Argument(..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media."),
-    model: str = ModelOption,
+    ctx: typer.Context,
+    dataset: Path = typer.Argument(
+        ..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media; or a job file (.yaml, .yml, .toml) "
+        "whose keys set these options (docs/jobs.md; flags given here win)."
+    ),
+    model: Optional[str] = typer.Option(None, "--model", "-m", envvar="VLMBATCH_MODEL", help="Hugging Face model id or local checkpoint folder (required here or in the job file)."),
     output: Path = OutputOption,
     broker: Optional[str] = BrokerOption,
     engine: str = EngineOption,
@@ -47,6 +50,14 @@ def submit(
     wait: bool = typer.Option(False, "--wait", help="With --broker: follow the job with a progress bar until it ends."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
+    response_format: Optional[str] = typer.Option(
+        None, "--response-format",
+        help='Constrain every row\'s output (rows may set their own): an OpenAI response_format, e.g. \'{"type": "json_object"}\' '
+        'or \'{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}\', or one vLLM key, e.g. \'{"guided_choice": ["yes", "no"]}\'.',
+    ),
+    json_schema: Optional[Path] = typer.Option(
+        None, "--json-schema", help="JSON schema file every row's output must follow; results get a typed `output` column (docs/structured.md)."
+    ),
 ) -> None:
     """Run DATASET through MODEL; results land in OUTPUT/JOB/results/*.parquet.
 
@@ -56,10 +67,23 @@ def submit(
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.errors import JobError
     from vlmbatch.io.readers import ColumnMap
+    from vlmbatch.job.jobfile import apply_job_file, is_job_file
+    from vlmbatch.job.plan import structured_output_option
     from vlmbatch.media.gpu_batch import defer_jpegs_for, gpu_image_decode_mode
     from vlmbatch import job as jobs
 
     console = Console(stderr=True)
+    if is_job_file(dataset):  # run again with the file's values for every option not on the command line
+        # By name: Typer >= 0.29 ships its own copy of click, whose enum is not click's.
+        given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+        try:
+            options = apply_job_file(dataset, {name: value for name, value in ctx.params.items()}, given)
+        except JobError as exc:
+            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2)
+        return submit(ctx, **options)
+    if model is None:
+        raise typer.BadParameter("a model is required: --model, VLMBATCH_MODEL or the job file's `model`", param_hint="--model")
     columns = ColumnMap(
         id=id_column, prompt=prompt_column, messages=messages_column, image=image_column, images=images_column, video=video_column
     )
@@ -70,6 +94,7 @@ def submit(
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
     template = chat_template.read_text() if chat_template else None
     try:
+        structured = structured_output_option(parse_json_option(response_format, "--response-format"), json_schema)
         if gpu_image_decode is not None:  # a typo fails before anything is written
             gpu_image_decode = gpu_image_decode_mode(gpu_image_decode)
         if dry_run:
@@ -78,7 +103,7 @@ def submit(
             raise typer.Exit(0 if report.rows_failed == 0 else 1)
         manifest, job_dir = jobs.plan_job(
             dataset, model, output, engine=engine, columns=columns, sampling=sampling,
-            media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
+            media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template, structured_output=structured,
         )
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)

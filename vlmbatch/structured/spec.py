@@ -36,7 +36,8 @@ TEXT = "text"  # said explicitly: no constraint (a row's way to opt out of the j
 KINDS = (JSON_SCHEMA, JSON_OBJECT, CHOICE, REGEX, GRAMMAR, TEXT)
 
 # The keys users write, in the order an error lists them.
-STRUCTURED_KEYS = ("response_format", "guided_json", "guided_choice", "guided_regex", "guided_grammar")
+GUIDED_KEYS = ("guided_json", "guided_choice", "guided_regex", "guided_grammar")
+STRUCTURED_KEYS = ("response_format", *GUIDED_KEYS)
 
 _RESPONSE_FORMAT_KEYS = frozenset({"type", "json_schema"})
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
