@@ -1,13 +1,14 @@
 """Grammar libraries compared where the engine spends time: tokenizer set-up, compile, and the
 per-step fill of a batch's masks, on a Qwen-size vocabulary built here (151,936 tokens).
 
-Rows are staggered along a tokenised instance of the schema, so one step's batch mixes
+Rows are spread evenly along a tokenised instance of the schema, so one step's batch mixes
 every grammar state (inside strings, numbers, between fields), as a running batch does.
 Each fill is timed over `steps` steps; the matchers then accept their next token. Paths:
 - `xgrammar serial`: `GrammarMatcher.fill_next_token_bitmask` row by row (`TokenBitmask`
   with `fill_threads=1`);
 - `xgrammar batch/N`: `BatchGrammarMatcher` with N C++ threads (`fill_threads=N`);
-- `xgrammar pythreads/N`: a Python thread pool over the serial calls (does xgrammar drop the GIL?);
+- `xgrammar pythreads/N`: a Python thread pool over the serial calls; the GIL probe says
+  whether xgrammar drops the GIL while filling (a counter thread's rate while this one fills);
 - `llguidance serial` and `llguidance par/N`: its matcher and its parallel executor.
 On CUDA it also times `TokenBitmask.apply` (copy + empty-row guard + xgrammar's kernel).
 """
@@ -55,26 +56,61 @@ def _instance_text() -> str:
 
 
 def _fill_times(make: Callable[[], Any], consume: Callable[[Any, int], None], fill: Callable[[list[Any]], None],
-                tokens: list[int], batch: int, steps: int) -> float:
-    """Median ms of one batch fill, rows staggered along `tokens` (reset at the end)."""
+                tokens: list[int], batch: int, steps: int) -> dict[str, float]:
+    """Median wall and CPU ms (all threads of this process: on a busy machine the CPU time of
+    the serial path is its cost on an idle core) of one batch fill; rows spread evenly along `tokens` (so every batch size sees
+    the same mix of grammar states) and reset at its end."""
     span = len(tokens) - 1  # the stop token is never consumed here: the rows keep going
     matchers, positions = [], []
     for row in range(batch):
-        matcher = make()
-        for token in tokens[: row % span]:
+        matcher, position = make(), row * span // batch
+        for token in tokens[:position]:
             consume(matcher, token)
         matchers.append(matcher)
-        positions.append(row % span)
-    times = []
+        positions.append(position)
+    walls, cpus = [], []
     for _ in range(steps):
-        times.append(_timed(lambda: fill(matchers))[1])
+        cpu = time.process_time()
+        walls.append(_timed(lambda: fill(matchers))[1])
+        cpus.append(time.process_time() - cpu)
         for row, matcher in enumerate(matchers):
             if positions[row] == span:
                 matcher.reset()
                 positions[row] = 0
             consume(matcher, tokens[positions[row]])
             positions[row] += 1
-    return statistics.median(times) * 1e3
+    return {"wall_ms": statistics.median(walls) * 1e3, "cpu_ms": statistics.median(cpus) * 1e3}
+
+
+def _gil_probe(fill: Callable[[], None], seconds: float = 1.5) -> dict[str, float]:
+    """Iterations/s of a pure-Python counter thread while this thread sleeps, runs Python, or
+    fills masks: near the sleeping rate means the fill releases the GIL (threads can help)."""
+    import threading
+
+    def busy() -> None:
+        total = 0
+        for i in range(20_000):
+            total += i
+
+    def rate(work: Callable[[], None]) -> float:
+        stop, counts = threading.Event(), []
+
+        def count() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+            counts.append(n)
+
+        thread = threading.Thread(target=count)
+        thread.start()
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            work()
+        stop.set()
+        thread.join()
+        return counts[0] / seconds
+
+    return {"sleeping": rate(lambda: time.sleep(0.005)), "python": rate(busy), "filling": rate(fill)}
 
 
 def _gpu_apply_ms(vocab_size: int, stop: int, batch: int, steps: int) -> float:
@@ -122,10 +158,14 @@ def _xgrammar(tokenizer: Any, vocab_size: int, stop: int, tokens: list[int], bat
                 paths[f"batch/{n}"] = lambda ms, bm=xgr.BatchGrammarMatcher(max_threads=n): bm.batch_fill_next_token_bitmask(ms, host)
                 paths[f"pythreads/{n}"] = lambda ms, pool=ThreadPoolExecutor(n), n=n: list(pool.map(
                     lambda part: [ms[i].fill_next_token_bitmask(host, i) for i in part], [range(k, len(ms), n) for k in range(n)]))
+            if schema_name == "plain" and batch == batches[0]:
+                probe_matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+                result["gil_probe"] = probe = _gil_probe(lambda: paths["serial"](probe_matchers))
+                echo("  GIL probe (counter thread, M it/s): " + ", ".join(f"main {k} {v / 1e6:.2f}" for k, v in probe.items()))
             for name, fill in paths.items():
                 ms = _fill_times(lambda: xgr.GrammarMatcher(compiled), consume, fill, tokens, batch, steps)
                 result["fill_ms"][f"{schema_name}/{name}@{batch}"] = ms
-                echo(f"  xgrammar {schema_name} {name:13s} batch {batch:4d}: {ms:7.3f} ms/step")
+                echo(f"  xgrammar {schema_name} {name:13s} batch {batch:4d}: {ms['wall_ms']:7.3f} ms/step wall, {ms['cpu_ms']:7.3f} ms CPU")
     if torch.cuda.is_available():
         for batch in batches:
             result["fill_ms"][f"apply_gpu@{batch}"] = ms = _gpu_apply_ms(vocab_size, stop, batch, steps)
@@ -170,7 +210,7 @@ def _llguidance(tokenizer: Any, vocab_size: int, stop: int, tokens: list[int], b
             for name, fill in paths.items():
                 ms = _fill_times(lambda: llguidance.LLMatcher(lltokenizer, grammar), consume, fill, tokens, batch, steps)
                 result["fill_ms"][f"{schema_name}/{name}@{batch}"] = ms
-                echo(f"  llguidance {schema_name} {name:11s} batch {batch:4d}: {ms:7.3f} ms/step")
+                echo(f"  llguidance {schema_name} {name:11s} batch {batch:4d}: {ms['wall_ms']:7.3f} ms/step wall, {ms['cpu_ms']:7.3f} ms CPU")
     return result
 
 
