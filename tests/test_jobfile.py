@@ -122,3 +122,14 @@ def test_submit_structured_output_options(tmp_path: Path) -> None:
     ]:
         with pytest.raises(JobError, match=re.escape(message)):
             structured_output_option(response_format, json_schema)
+
+
+def test_every_submit_flag_has_a_key() -> None:
+    import inspect
+
+    from vlmbatch.cli.submit_cmd import submit
+    from vlmbatch.job.jobfile import KEYS
+
+    flags = set(inspect.signature(submit).parameters) - {"ctx"}
+    keyed = {parameter for parameter, _ in KEYS.values()} | {"response_format"}  # the structured-output keys
+    assert flags == keyed, f"flags without a key: {sorted(flags - keyed)}; keys without a flag: {sorted(keyed - flags)}"

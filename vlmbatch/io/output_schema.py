@@ -33,6 +33,7 @@ failed (`structured_output_incomplete`), `error_type = structured_output_invalid
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -219,8 +220,10 @@ class OutputColumn:
         return text if self.json_text else _fit(value, self.field.type, True, "")
 
 
+@functools.lru_cache(maxsize=64)
 def output_column(spec: StructuredOutput | None, per_row: bool) -> OutputColumn | None:
-    """The column a job gets (None: none). `per_row`: rows may set their own spec."""
+    """The column a job gets (None: none). `per_row`: rows may set their own spec. Cached: the
+    writer asks for every row, and a spec is hashable."""
     if per_row:
         return OutputColumn(pa.field(OUTPUT_JSON, pa.string()), json_text=True)
     if spec is None:

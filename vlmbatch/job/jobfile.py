@@ -77,8 +77,9 @@ def _json_object(value: Any, key: str, base: Path) -> str:
     return json.dumps(value)
 
 
-# Key in the file → (submit parameter, check-and-convert). Sections hold nested keys.
-_KEYS: dict[str, tuple[str, Callable[[Any, str, Path], Any]]] = {
+# Key in the file → (submit parameter, check-and-convert); sections hold nested keys. Every
+# `submit` flag has one (tests/test_jobfile.py holds the two lists together).
+KEYS: dict[str, tuple[str, Callable[[Any, str, Path], Any]]] = {
     "dataset": ("dataset", _path),
     "model": ("model", _model),
     "output": ("output", _path),
@@ -101,7 +102,7 @@ _KEYS: dict[str, tuple[str, Callable[[Any, str, Path], Any]]] = {
     "engine.device": ("device", _text),
     "engine.gpu_image_decode": ("gpu_image_decode", _text),
 }
-_SECTIONS = frozenset(key.split(".")[0] for key in _KEYS if "." in key)
+_SECTIONS = frozenset(key.split(".")[0] for key in KEYS if "." in key)
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -162,9 +163,9 @@ def _options(data: Mapping[str, Any], base: Path) -> dict[str, Any]:
         if key in STRUCTURED_KEYS:
             structured[key] = value
             continue
-        if key not in _KEYS:
-            raise JobError(f"unknown key {key!r}; known keys: {', '.join([*_KEYS, *STRUCTURED_KEYS])}")
-        parameter, convert = _KEYS[key]
+        if key not in KEYS:
+            raise JobError(f"unknown key {key!r}; known keys: {', '.join([*KEYS, *STRUCTURED_KEYS])}")
+        parameter, convert = KEYS[key]
         options[parameter] = convert(value, key, base)
     if len(structured) > 1:
         raise JobError(f"set only one of {', '.join(structured)}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import JobError
+from vlmbatch.structured.spec import StructuredOutput
 
 
 def check_model(model: str) -> str:
@@ -39,7 +40,7 @@ def check_media_io_kwargs(media_io_kwargs: dict[str, Any]) -> None:
             raise JobError(f"--media-io-kwargs: {exc}") from exc
 
 
-def structured_output_option(response_format: dict[str, Any] | None, json_schema: str | Path | None) -> Any:
+def structured_output_option(response_format: dict[str, Any] | None, json_schema: str | Path | None) -> StructuredOutput | None:
     """The job-level `StructuredOutput` of `--response-format` / `--json-schema` (or None),
     refused with a `JobError` if malformed or not compilable: at submit, before anything is written.
 
@@ -84,7 +85,7 @@ def plan_job(
     shard_size: int = 1000,
     broker: str | None = None,
     chat_template: str | None = None,
-    structured_output: Any = None,
+    structured_output: StructuredOutput | None = None,
 ) -> tuple[Any, Path]:
     """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet.
 

@@ -68,7 +68,7 @@ class TokenBitmask:
             self._copied.synchronize()  # the previous step's copy has read the buffer
         live = [(row, matcher) for row, matcher in constrained if not matcher.is_terminated]
         if self._batch is not None and len(live) > 1:
-            self._batch.batch_fill_next_token_bitmask([m._matcher for _, m in live], self.host, indices=[r for r, _ in live])
+            self._batch.batch_fill_next_token_bitmask([m.grammar_matcher for _, m in live], self.host, indices=[r for r, _ in live])
         else:
             for row, matcher in live:
                 matcher.fill(self.host, row)

@@ -53,6 +53,11 @@ class StructuredMatcher:
             raise ValueError(f"token {matcher.rejected_token} at position {len(matcher.accepted)} breaks the grammar")
         return matcher
 
+    @property
+    def grammar_matcher(self) -> xgr.GrammarMatcher:
+        """The xgrammar matcher itself, for batched calls (`TokenBitmask` with fill threads)."""
+        return self._matcher
+
     def accept(self, token_id: int) -> bool:
         """Advance by one generated token; False (state unchanged) if the grammar refuses it."""
         if self._matcher.accept_token(token_id):
