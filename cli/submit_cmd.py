@@ -16,7 +16,6 @@ from vlmbatch.cli.options import (
     GpuImageDecodeOption,
     EngineOption,
     MediaIoKwargsOption,
-    ModelOption,
     OutputOption,
     engine_config,
     StorageOptionsOption,
@@ -25,8 +24,12 @@ from vlmbatch.cli.options import (
 
 
 def submit(
-    dataset: str = typer.Argument(..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media (a path or an s3:// URL)."),
-    model: str = ModelOption,
+    ctx: typer.Context,
+    dataset: str = typer.Argument(
+        ..., help="JSONL, OpenAI Batch JSONL or Parquet file of prompts and media (a path or an s3:// URL); or a job "
+        "file (.yaml, .yml, .toml) whose keys set these options (docs/jobs.md; flags given here win)."
+    ),
+    model: Optional[str] = typer.Option(None, "--model", "-m", envvar="VLMBATCH_MODEL", help="Hugging Face model id or local checkpoint folder (required here or in the job file)."),
     output: str = OutputOption,
     broker: Optional[str] = BrokerOption,
     engine: str = EngineOption,
@@ -52,6 +55,14 @@ def submit(
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
     attention_backend: Optional[str] = AttentionBackendOption,
     storage_options: Optional[str] = StorageOptionsOption,
+    response_format: Optional[str] = typer.Option(
+        None, "--response-format",
+        help='Constrain every row\'s output (rows may set their own): an OpenAI response_format, e.g. \'{"type": "json_object"}\' '
+        'or \'{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}\', or one vLLM key, e.g. \'{"guided_choice": ["yes", "no"]}\'.',
+    ),
+    json_schema: Optional[Path] = typer.Option(
+        None, "--json-schema", help="JSON schema file every row's output must follow; results get a typed `output` column (docs/structured.md)."
+    ),
 ) -> None:
     """Run DATASET through MODEL; results land in OUTPUT/JOB/results/*.parquet.
 
@@ -62,9 +73,22 @@ def submit(
     from vlmbatch.errors import JobError
     from vlmbatch.io.readers import ColumnMap
     from vlmbatch.engine.gpu_images import defers_image_decoding
+    from vlmbatch.job.jobfile import apply_job_file, is_job_file
+    from vlmbatch.job.plan import structured_output_option
     from vlmbatch import job as jobs
 
     console = Console(stderr=True)
+    if is_job_file(dataset):  # run again with the file's values for every option not on the command line
+        # By name: Typer >= 0.29 ships its own copy of click, whose enum is not click's.
+        given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+        try:
+            options = apply_job_file(dataset, {name: value for name, value in ctx.params.items()}, given)
+        except JobError as exc:
+            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2)
+        return submit(ctx, **options)
+    if model is None:
+        raise typer.BadParameter("a model is required: --model, VLMBATCH_MODEL or the job file's `model`", param_hint="--model")
     columns = ColumnMap(
         id=id_column, prompt=prompt_column, messages=messages_column, image=image_column, images=images_column, video=video_column
     )
@@ -74,11 +98,12 @@ def submit(
         raise typer.BadParameter(str(exc))
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
     storage = parse_json_option(storage_options, "--storage-options")
-    template = chat_template.read_text() if chat_template else None
+    template = Path(chat_template).read_text() if chat_template else None
     # Checked before anything is written (a typo in --gpu-image-decode fails here).
     config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
                            gpu_image_decode=gpu_image_decode)
     try:
+        structured = structured_output_option(parse_json_option(response_format, "--response-format"), json_schema)
         if dry_run:
             report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media,
                                   chat_template=template, storage_options=storage)
@@ -87,7 +112,7 @@ def submit(
         manifest, job_dir = jobs.plan_job(
             dataset, model, output, engine=engine, columns=columns, sampling=sampling,
             media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
-            storage_options=storage,
+            storage_options=storage, structured_output=structured,
         )
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)

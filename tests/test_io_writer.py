@@ -99,3 +99,90 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path: Path) -> None:
             raise RuntimeError("crash mid-write")
     assert pq.read_table(final).column("a").to_pylist() == [1]
     assert list((tmp_path / "staging").iterdir()) == []
+
+
+INVOICE = {
+    "type": "object",
+    "properties": {
+        "vendor": {"type": "string"},
+        "total": {"type": "number"},
+        "currency": {"enum": ["USD", "EUR"]},
+        "lines": {"type": "array", "items": {"type": "object", "properties": {"qty": {"type": "integer"}}, "required": ["qty"]}},
+    },
+    "required": ["vendor", "total"],
+}
+
+
+@pytest.fixture
+def structured_job(tmp_path: Path) -> Manifest:
+    """A job with one schema over an input that has its own `output` column (a reference answer)."""
+    from vlmbatch.io.output_schema import MANIFEST_KEY, manifest_entry
+    from vlmbatch.structured.spec import parse_structured_output
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": "p", "output": "reference", "k": i}) + "\n" for i in range(5)))
+    manifest = Manifest.for_dataset(open_dataset(data), output_dir=tmp_path / "out", model="tiny", engine="hf", sampling={}, shard_size=3)
+    manifest.extra[MANIFEST_KEY] = manifest_entry(parse_structured_output({"guided_json": INVOICE}), per_row=False)
+    manifest.save()
+    return Manifest.load(manifest.job_dir)
+
+
+def _generated(row_id: int, text: str, **status) -> dict:
+    # What the shard runner hands over: the constrained row's text under the output column's name.
+    return {"row_id": row_id, "id": row_id, "k": row_id, "generated_text": text, "output": text, "finish_reason": "stop", **status}
+
+
+def test_structured_output_column_is_typed_and_every_reader_agrees(structured_job: Manifest, tmp_path: Path) -> None:
+    import duckdb
+    import pyarrow.dataset as ds
+
+    from vlmbatch.io.results import merge
+
+    job = structured_job
+    assert result_schema(job).names[:6] == ["row_id", "id", "k", "generated_text", "output", "finish_reason"]  # input `output` yields
+    good = json.dumps({"vendor": "Acme", "total": 12.5, "currency": "EUR", "lines": [{"qty": 2}]})
+    write_part(job.job_dir, 0, job.num_shards, [
+        _generated(0, good),
+        _generated(1, '{"vendor": "Ac', finish_reason="length", error_type="structured_output_incomplete", error="max_tokens"),
+        _generated(2, json.dumps({"vendor": "Globex", "total": 3})),
+    ])  # fmt: skip
+    write_part(job.job_dir, 1, job.num_shards, [
+        _generated(3, json.dumps({"vendor": "Big", "total": 1, "lines": [{"qty": 2**64}]})),
+        {"row_id": 4, "id": 4, "finish_reason": "error", "error_type": "media_decode_error", "error": "bad"},  # never generated
+    ])  # fmt: skip
+    parts = sorted((job.job_dir / "results").glob("*.parquet"))
+    assert len({pq.read_schema(p) for p in parts}) == 1 and pq.read_schema(parts[0]) == result_schema(job)
+
+    rows = duckdb.sql(
+        f"select row_id, output.total, output.vendor, output.currency, output.lines[1].qty, error_type "
+        f"from '{job.job_dir}/results/*.parquet' order by row_id"
+    ).fetchall()
+    assert rows == [
+        (0, 12.5, "Acme", "EUR", 2, None),
+        (1, None, None, None, None, "structured_output_incomplete"),  # the runner's error is kept
+        (2, 3.0, "Globex", None, None, None),
+        (3, None, None, None, None, "structured_output_invalid"),  # 2**64 does not fit int64
+        (4, None, None, None, None, "media_decode_error"),
+    ]
+    table = ds.dataset(job.job_dir / "results", format="parquet").to_table()
+    assert table.schema.field("output").type == result_schema(job).field("output").type
+    assert table.sort_by("row_id").column("output").to_pylist()[2] == {"vendor": "Globex", "total": 3.0, "currency": None, "lines": None}
+    merged = tmp_path / "merged.parquet"
+    assert merge(job.job_dir, merged) == 5
+    assert pq.read_table(merged).column("output").to_pylist()[0] == {"vendor": "Acme", "total": 12.5, "currency": "EUR", "lines": [{"qty": 2}]}
+    assert pq.read_table(merged).column("generated_text").to_pylist()[1] == '{"vendor": "Ac'  # the text is kept
+
+
+def test_per_row_schemas_get_output_json(tmp_path: Path) -> None:
+    from vlmbatch.io.output_schema import MANIFEST_KEY, manifest_entry
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"id": 0, "prompt": "p", "response_format": '{"type": "json_object"}'}) + "\n")
+    manifest = Manifest.for_dataset(open_dataset(data), output_dir=tmp_path / "out", model="tiny", engine="hf", sampling={}, shard_size=2)
+    manifest.extra[MANIFEST_KEY] = manifest_entry(None, per_row=True)
+    manifest.save()
+    write_part(manifest.job_dir, 0, 1, [{"row_id": 0, "generated_text": '{"a": [1]}', "output_json": '{"a": [1]}'},
+                                        {"row_id": 1, "generated_text": "free text"}])  # fmt: skip
+    table = pq.read_table(manifest.part_path(0))
+    assert table.schema.field("output_json").type == pa.string()
+    assert table.column("output_json").to_pylist() == ['{"a": [1]}', None]

@@ -239,3 +239,53 @@ def test_readme_demo_command(tmp_path: Path) -> None:
     demo_rows = len((repo / "jobs/demo/images.jsonl").read_text().splitlines())
     assert table.num_rows == demo_rows and table.column("error_type").null_count == demo_rows
     assert "rows/s" in proc.stderr
+
+
+def _one_row_dataset(folder: Path) -> Path:
+    dataset = folder / "rows.jsonl"
+    dataset.write_text(json.dumps({"id": "a", "prompt": qwen_prompt("Describe.", images=0)}) + "\n")
+    return dataset
+
+
+def test_job_file_options_with_command_line_flags_winning(tiny_qwen: Path, tmp_path: Path) -> None:
+    _one_row_dataset(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"dataset: rows.jsonl\nmodel: {tiny_qwen}\noutput: from-file\nshard_size: 7\n"
+        "sampling: {max_tokens: 9, temperature: 0, seed: 5}\nengine: {name: hf}\n"
+        'response_format: {type: json_schema, json_schema: {name: answer, schema: {type: object, properties: {a: {type: integer}}, required: [a]}}}\n'
+    )
+    output = tmp_path / "from-flag"
+    proc = vlmbatch("submit", str(job), "--max-tokens", "2", "--output", str(output))
+    job_dir = job_dir_from(proc, output)  # --output won over the file's output
+    manifest = json.loads((job_dir / "manifest.json").read_text())
+    assert manifest["sampling"]["max_tokens"] == 2 and manifest["sampling"]["seed"] == 5 and manifest["shard_size"] == 7
+    assert manifest["engine"] == "hf" and manifest["dataset"] == str(tmp_path.resolve() / "rows.jsonl")
+    spec = manifest["extra"]["structured_output"]
+    assert spec["per_row"] is False and spec["spec"]["kind"] == "json_schema" and json.loads(spec["spec"]["text"])["required"] == ["a"]
+    schema = pq.read_schema(next((job_dir / "results").glob("*.parquet")))
+    assert schema.field("output").type == pa.struct([pa.field("a", pa.int64(), nullable=False)])
+    assert not (tmp_path / "from-file").exists()
+
+
+@pytest.mark.parametrize(
+    "job_text, flags, expected",
+    [
+        ("dataset: rows.jsonl\nsampling: {max_tokns: 2}\n", [], "unknown key 'sampling.max_tokns'"),
+        ("dataset: rows.jsonl\n", ["--json-schema", "bad-schema.json"], "cannot compile this json_schema: minproperties"),
+        ("dataset: rows.jsonl\nguided_regex: '(unclosed'\n", [], "cannot compile this regex"),
+    ],  # the other refusals of structured_output_option: tests/test_jobfile.py
+)
+def test_bad_job_files_and_specs_are_refused_before_anything_is_written(job_text, flags, expected, tiny_qwen: Path, tmp_path: Path) -> None:
+    _one_row_dataset(tmp_path)
+    (tmp_path / "bad-schema.json").write_text(json.dumps({"type": "object", "minProperties": 1}))
+    job = tmp_path / "job.yaml"
+    job.write_text(job_text)
+    output = tmp_path / "out"
+    proc = vlmbatch("submit", str(job), "--model", str(tiny_qwen), "--output", str(output), *[
+        str(tmp_path / f) if f.endswith(".json") else f for f in flags
+    ])  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    message = proc.stderr.strip().splitlines()
+    assert len(message) == 1 and expected in message[0].lower(), proc.stderr
+    assert not output.exists()

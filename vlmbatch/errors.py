@@ -24,6 +24,9 @@ class ErrorType:
     PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # <image> count != number of images
     INVALID_ROW = "invalid_row"  # wrong types, non-UTF-8 text, bad sampling override
     ENGINE = "engine_error"  # the engine failed on this row alone
+    STRUCTURED_OUTPUT_INCOMPLETE = "structured_output_incomplete"  # max_tokens reached before the grammar completed
+    STRUCTURED_OUTPUT_DEAD_END = "structured_output_dead_end"  # no token could continue the grammar (EOS forced)
+    STRUCTURED_OUTPUT_INVALID = "structured_output_invalid"  # the text is not JSON or does not fit the output column's type
     WORKER_CRASH = "worker_crash"  # the row killed its worker process every time (poison)
 
 

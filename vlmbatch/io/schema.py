@@ -14,9 +14,10 @@ import pyarrow as pa
 
 ROW_ID_FIELD = pa.field("row_id", pa.int64(), nullable=False)
 
-# The columns every result part ends with, in the order ARCHITECTURE.md promises.
-RESULT_TAIL_FIELDS: tuple[pa.Field, ...] = (
-    pa.field("generated_text", pa.string()),
+# The columns every result part ends with, in the order ARCHITECTURE.md promises; a
+# structured job's `output` / `output_json` column goes right after `generated_text`.
+GENERATED_TEXT_FIELD = pa.field("generated_text", pa.string())
+RESULT_STATUS_FIELDS: tuple[pa.Field, ...] = (
     pa.field("finish_reason", pa.string()),
     pa.field("num_input_tokens", pa.int32()),
     pa.field("num_generated_tokens", pa.int32()),
@@ -27,6 +28,7 @@ RESULT_TAIL_FIELDS: tuple[pa.Field, ...] = (
     pa.field("attempt", pa.int32()),
     pa.field("finished_at", pa.timestamp("us", tz="UTC")),
 )
+RESULT_TAIL_FIELDS: tuple[pa.Field, ...] = (GENERATED_TEXT_FIELD, *RESULT_STATUS_FIELDS)
 
 # Input columns with these names are not passed through: they would shadow result columns.
 RESERVED_NAMES = frozenset({"row_id", "id", "custom_id", *(f.name for f in RESULT_TAIL_FIELDS)})

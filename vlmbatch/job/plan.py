@@ -7,12 +7,14 @@ queued or written, and reported as a one-line `JobError`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.config import EngineConfig
 from vlmbatch.errors import JobError
+from vlmbatch.structured.spec import StructuredOutput
 
 
 def check_model(model: str) -> str:
@@ -36,6 +38,39 @@ def check_media_io_kwargs(media_io_kwargs: dict[str, Any]) -> None:
             raise JobError(f"--media-io-kwargs: {exc}") from exc
 
 
+def structured_output_option(response_format: dict[str, Any] | None, json_schema: str | Path | None) -> StructuredOutput | None:
+    """The job-level `StructuredOutput` of `--response-format` / `--json-schema` (or None),
+    refused with a `JobError` if malformed or not compilable: at submit, before anything is written.
+
+    `--response-format` takes an OpenAI `response_format` object or one vLLM key
+    (`{"guided_choice": [...]}`, `guided_json`, `guided_regex`, `guided_grammar`);
+    `--json-schema` a file holding a bare JSON schema."""
+    from vlmbatch.structured.grammar import check_job_spec
+    from vlmbatch.structured.spec import GUIDED_KEYS, job_structured_output
+
+    if response_format and json_schema is not None:
+        raise JobError("--response-format and --json-schema: give one of them")
+    if json_schema is not None:
+        where = f"--json-schema {json_schema}"
+        try:
+            fields = {"guided_json": json.loads(Path(json_schema).read_text(encoding="utf-8"))}
+        except OSError as exc:
+            raise JobError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise JobError(f"{where}: not valid JSON: {exc}") from None
+    elif response_format:
+        where = "--response-format"
+        guided = set(response_format) & set(GUIDED_KEYS)
+        if guided and len(response_format) > 1:
+            raise JobError(f"{where}: a vLLM key ({', '.join(sorted(guided))}) must be the only key")
+        fields = response_format if guided else {"response_format": response_format}
+    else:
+        return None
+    spec = job_structured_output(fields, where)
+    check_job_spec(spec, where)
+    return spec
+
+
 def plan_job(
     dataset: str | Path,
     model: str,
@@ -49,13 +84,20 @@ def plan_job(
     broker: str | None = None,
     chat_template: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    structured_output: StructuredOutput | None = None,
 ) -> tuple[Any, Any]:
     """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet. DATASET and
     OUTPUT may be object-storage URLs (`storage_options` apply to both); the job folder is
-    then an `ObjectPath`."""
+    then an `ObjectPath`.
+
+    `structured_output` is the job's `StructuredOutput` (from `structured_output_option`); a
+    dataset with a `response_format` or `guided_*` column may set one per row, which fixes
+    the result schema to `output_json` (io/output_schema.py)."""
     from vlmbatch.io.manifest import Manifest
+    from vlmbatch.io.output_schema import MANIFEST_KEY, manifest_entry
     from vlmbatch.io.readers import ShardPlan, open_dataset
     from vlmbatch.io.storage import is_remote
+    from vlmbatch.structured.spec import STRUCTURED_KEYS
 
     if broker and (is_remote(dataset) or is_remote(output)):
         raise JobError("object-storage datasets and outputs run in-process for now: submit them without a broker")
@@ -77,6 +119,9 @@ def plan_job(
         manifest.shards = [ShardPlan(shard_id=0, row_start=0, row_end=0, byte_start=0, byte_end=0, row_groups=[])]
     if chat_template:
         manifest.extra["chat_template"] = chat_template
+    per_row = any(key in reader.column_names for key in STRUCTURED_KEYS)
+    if structured_output is not None or per_row:
+        manifest.extra[MANIFEST_KEY] = manifest_entry(structured_output, per_row)
     try:
         manifest.save()
     except OSError as exc:  # an output that cannot be written (no such bucket, no permission)
