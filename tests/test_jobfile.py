@@ -45,11 +45,16 @@ def test_yaml_keys_map_to_submit_options_with_paths_from_the_file(tmp_path: Path
     job = _write(tmp_path, "job.yaml", YAML)
     base = tmp_path.resolve()
     assert load_job_file(job) == {
-        "dataset": base / "data/rows.jsonl", "model": str(base / "models/tiny"), "output": base / "out", "shard_size": 10,
+        "dataset": str(base / "data/rows.jsonl"), "model": str(base / "models/tiny"), "output": str(base / "out"), "shard_size": 10,
         "wait": True, "max_tokens": 32, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 3, "stop": ["###"],
         "id_column": "key", "image_column": "picture", "media_io_kwargs": '{"video": {"num_frames": 4}}',
-        "engine": "hf", "dtype": "float32", "device": "cpu", "gpu_image_decode": "off", "json_schema": base / "schema.json",
+        "engine": "hf", "dtype": "float32", "device": "cpu", "gpu_image_decode": "off", "json_schema": str(base / "schema.json"),
     }  # fmt: skip
+
+
+def test_urls_stay_as_written(tmp_path: Path) -> None:
+    options = load_job_file(_write(tmp_path, "s3.yaml", "dataset: s3://bucket/rows.parquet\noutput: s3://bucket/out\n"))
+    assert options["dataset"] == "s3://bucket/rows.parquet" and options["output"] == "s3://bucket/out"
 
 
 def test_toml_and_a_vllm_key_become_the_response_format_option(tmp_path: Path) -> None:
@@ -67,7 +72,7 @@ def test_flags_given_on_the_command_line_win(tmp_path: Path) -> None:
     merged = apply_job_file(job, params, given={"model", "dataset"})
     assert merged["model"] == "cli-model"  # given: kept
     assert merged["max_tokens"] == 4 and merged["stop"] == ["a", "b"]  # defaults: the file's
-    assert merged["temperature"] == 0.0 and merged["dataset"] == tmp_path.resolve() / "rows.jsonl"
+    assert merged["temperature"] == 0.0 and merged["dataset"] == str(tmp_path.resolve() / "rows.jsonl")
 
 
 @pytest.mark.parametrize(
