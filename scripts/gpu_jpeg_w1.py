@@ -108,7 +108,7 @@ def main() -> int:
     import torch
 
     from vlmbatch import job as jobs
-    from vlmbatch.job.pool import RowPreparer
+    from vlmbatch.job.preparer import RowPreparer
     from vlmbatch.media.gpu_batch import defer_jpegs_for
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -133,7 +133,7 @@ def test_pool_workers_pass_pending_jpegs_and_row_errors(tiny_qwen: Path, tmp_pat
     """Through real worker processes: same ids and grids as the CPU path, bytes instead of pixels."""
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.readers import open_dataset
-    from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+    from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer
     from vlmbatch.testing.data import write_image_dataset
 
     dataset = write_image_dataset(tmp_path / "rows.jsonl", 8, image_mode="data_url", image_format="JPEG", bad_rows={2: "corrupt"})
@@ -142,8 +142,9 @@ def test_pool_workers_pass_pending_jpegs_and_row_errors(tiny_qwen: Path, tmp_pat
                                     sampling={"max_tokens": 4}, shard_size=100)  # fmt: skip
     rows = [row for batch in reader.iter_rows() for row in batch]
     spec, defaults = AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4)
-    cpu = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=0)}
-    pending = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=2, defer_jpegs=True)}
+    with RowPreparer(0) as here, RowPreparer(2) as pool:
+        cpu = {i.row_id: i for i in here.prepare(rows, RowPreparation.for_job(manifest, spec, defaults))}
+        pending = {i.row_id: i for i in pool.prepare(rows, RowPreparation.for_job(manifest, spec, defaults, defer_jpegs=True))}
     assert sorted(pending) == sorted(cpu)
     assert pending[2].error is not None and pending[2].error.error_type == cpu[2].error.error_type == ErrorType.MEDIA_DECODE
     for row_id, item in pending.items():

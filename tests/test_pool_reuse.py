@@ -21,7 +21,8 @@ from test_pool import _alive, _echo_setup, _failure
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.io.manifest import Manifest
 from vlmbatch.io.readers import open_dataset
-from vlmbatch.job.pool import AdapterSpec, ProcessPool, RowPreparation, RowPreparer, default_num_workers
+from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer, default_num_workers
+from vlmbatch.job.process_pool import ProcessPool
 from vlmbatch.job.shard import pixel_dtype, run_shard
 from vlmbatch.testing.data import write_image_dataset
 from vlmbatch.workers.supervisor import cpu_shares, pinned_env

@@ -15,7 +15,7 @@ from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.io.manifest import Manifest
-from vlmbatch.job.pool import RowPreparer
+from vlmbatch.job.preparer import RowPreparer
 from vlmbatch.job.shard import ShardOutcome, run_shard
 from vlmbatch.workers.store import JobStore, RowRange
 
@@ -45,7 +45,7 @@ def run_guarded(
     attempt: int,
     should_stop: Callable[[], bool],
     on_progress: Callable[[int, int], None],
-    preparer: RowPreparer | None = None,
+    preparer: RowPreparer,
 ) -> ShardOutcome:
     """Run and commit shard `shard_id`, isolating rows that crashed earlier attempts."""
     plan = manifest.shards[shard_id]

@@ -23,17 +23,18 @@ from vlmbatch.workers.store import connect
 
 def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool, media_io_kwargs: str) -> int:
     """Run until shut down; returns Celery's exit code."""
-    from vlmbatch.job.pool import AdapterSpec, RowPreparer
+    from vlmbatch.job.preparer import AdapterSpec, RowPreparer
     from vlmbatch.media.video import parse_video_options, prepare_video_backend
 
     logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
     prepare_video_backend(parse_video_options(json.loads(media_io_kwargs).get("video")))
+    preparer = RowPreparer()  # one preprocessing pool for every shard this process runs
     llm = None
     if not dry_run:
         from vlmbatch.job.plan import load_llm
 
+        preparer.start_fork_server()  # its imports overlap the model load
         llm = load_llm(model, engine=engine, dtype=dtype)
-    preparer = RowPreparer()  # one preprocessing pool for every shard this process runs
     try:
         preparer.start(AdapterSpec(model) if llm is not None else None)
         runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot), preparer))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import redis
 
-    from vlmbatch.job.pool import RowPreparer
+    from vlmbatch.job.preparer import RowPreparer
 
 
 def new_worker_id(slot: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from vlmbatch.job.pool import RowPreparer
+from vlmbatch.job.preparer import RowPreparer
 from vlmbatch.job.shard import run_shard
 
 

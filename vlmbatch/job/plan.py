@@ -77,11 +77,9 @@ def plan_job(
 
 
 def load_llm(model: str, *, engine: str = "auto", dtype: str = "auto", device: str = "auto", chat_template: str | None = None, **kwargs: Any) -> Any:
-    """Load the model once (the expensive part of a worker's start-up). The preprocessing
-    pool's fork server starts first, so its imports overlap the model load."""
+    """Load the model once (the expensive part of a worker's start-up; start the
+    preprocessing pool's fork server first, `RowPreparer.start_fork_server`, so its
+    imports overlap the model load)."""
     from vlmbatch.engine.llm import LLM
-    from vlmbatch.job.pool import default_num_workers, start_fork_server
 
-    if default_num_workers() > 0:
-        start_fork_server()
     return LLM(model=model, engine=engine, dtype=dtype, device=device, chat_template=chat_template, **kwargs)

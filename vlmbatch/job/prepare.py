@@ -8,7 +8,6 @@ replace without the shard runner noticing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,16 +133,3 @@ def _with_column_media(messages: list[dict[str, Any]], num_images: int, num_vide
             message["content"] = parts + text_parts
             break
     return out
-
-
-def prepare_rows(
-    source: Iterable[tuple[int, Any]],
-    manifest: Any,
-    adapter: ModelAdapter | None,
-    defaults: SamplingParams,
-    defer_jpegs: bool = False,
-) -> Iterator[PreparedRow]:
-    """Prepare rows in order, in this thread."""
-    media = media_loader_for(manifest.dataset, manifest.media_io_kwargs)
-    for row_id, raw in source:
-        yield prepare_row(row_id, raw, manifest.columns, defaults, adapter, media, defer_jpegs=defer_jpegs)

@@ -28,7 +28,7 @@ from vlmbatch import config
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.job.pool import AdapterSpec, RowPreparer, prepare_rows_parallel
+from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer
 from vlmbatch.media.gpu_batch import defer_jpegs_for
 from vlmbatch.job.prepare import PreparedRow
 from vlmbatch.job.rows import RowRequest
@@ -142,6 +142,7 @@ def run_shard(
     shard_id: int,
     llm: Any | None,
     *,
+    preparer: RowPreparer,
     attempt: int = 1,
     should_stop: Callable[[], bool] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -149,7 +150,6 @@ def run_shard(
     row_range: tuple[int, int] | None = None,
     commit: bool = True,
     max_inflight: int | None = None,
-    preparer: RowPreparer | None = None,
 ) -> ShardOutcome:
     """Generate every row of shard `shard_id` and (if `commit`) write its part atomically.
 
@@ -157,7 +157,7 @@ def run_shard(
     `manifest`'s model is not loaded) without generating: the queue benchmark uses it.
     `retry_errors` re-runs only the rows of the committed part that ended in an error.
     `row_range` restricts the run to a sub-range (poison-shard splitting).
-    `preparer` is the caller's preprocessing pool, kept across shards (else one per call).
+    `preparer` is the caller's preprocessing pool, kept across shards.
     """
     import pyarrow.parquet as pq
 
@@ -165,7 +165,7 @@ def run_shard(
     from vlmbatch.io.writer import write_part
 
     started = time.monotonic()
-    starts, restarts = (preparer.starts, preparer.restarts) if preparer is not None else (0, 0)
+    starts, restarts = preparer.starts, preparer.restarts
     plan = manifest.shards[shard_id]
     factory = ResultRowFactory(manifest, shard_id, attempt)
     outcome = ShardOutcome(shard_id=shard_id)
@@ -182,8 +182,8 @@ def run_shard(
     adapter = llm.adapter if llm is not None else None
     spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
     defer = llm is not None and defer_jpegs_for(llm.engine, manifest.extra.get("gpu_image_decode"))  # media/gpu_batch.py
-    prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter, defer_jpegs=defer,
-                                     pixel_dtype=pixel_dtype(llm), preparer=preparer)
+    preparation = RowPreparation.for_job(manifest, spec, defaults, pixel_dtype=pixel_dtype(llm), defer_jpegs=defer)
+    prepared = preparer.prepare(source, preparation, adapter)
 
     def record(row: dict[str, Any], ok: bool) -> None:
         outcome.rows.append(row)
@@ -201,11 +201,10 @@ def run_shard(
             finished = _validate_only(prepared, factory, record, should_stop)
         else:
             finished = _generate(llm, prepared, factory, record, should_stop, max_inflight, outcome.timing)
-    outcome.timing.seconds = time.monotonic() - started
-    if preparer is not None:
-        timing = outcome.timing
-        timing.pool_workers = preparer.num_workers
-        timing.pool_starts, timing.worker_restarts = preparer.starts - starts, preparer.restarts - restarts
+    timing = outcome.timing
+    timing.seconds = time.monotonic() - started
+    timing.pool_workers = preparer.num_workers
+    timing.pool_starts, timing.worker_restarts = preparer.starts - starts, preparer.restarts - restarts
     log.info(outcome.timing.line(manifest.job_id, shard_id, outcome.rows_ok + outcome.rows_failed))
     if not finished:
         outcome.stopped = True
