@@ -31,9 +31,12 @@ def _dataset(path: Path, rows: int) -> Path:
 
 def _in_process(dataset: Path, model: str, output: Path, shard_size: int) -> float:
     from vlmbatch import job as jobs
+    from vlmbatch.config import MediaConfig, WorkerConfig
+    from vlmbatch.job.preparer import RowPreparer
 
     manifest, job_dir = jobs.plan_job(dataset, model, output, shard_size=shard_size)
-    return manifest.num_rows / jobs.run_job_locally(manifest, job_dir, None, show_progress=False)
+    with RowPreparer(WorkerConfig.from_env(os.environ), MediaConfig.from_env(os.environ)) as preparer:
+        return manifest.num_rows / jobs.run_job_locally(manifest, job_dir, None, preparer, show_progress=False)
 
 
 def _through_queue(dataset: Path, model: str, output: Path, shard_size: int, broker: str, workers: list[Any]) -> dict[str, Any]:

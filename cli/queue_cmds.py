@@ -56,7 +56,8 @@ def worker(
     from vlmbatch.errors import JobError
     from vlmbatch.media.gpu_batch import gpu_image_decode_mode
 
-    from vlmbatch.media.video import ensure_backend_available, parse_video_options
+    from vlmbatch.config import MediaConfig
+    from vlmbatch.media.video import default_video_options, ensure_backend_available
     from vlmbatch.workers.supervisor import Supervisor, gpu_slots
 
     if not broker:
@@ -68,8 +69,8 @@ def worker(
         except JobError as exc:
             raise typer.BadParameter(str(exc), param_hint="--gpu-image-decode")
     try:
-        ensure_backend_available(parse_video_options(media.get("video")).backend)
-    except ValueError as exc:
+        ensure_backend_available(default_video_options(MediaConfig.from_env(os.environ, video_options=media.get("video"))).backend)
+    except (ValueError, JobError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--media-io-kwargs")
     try:
         slots = gpu_slots(gpus)

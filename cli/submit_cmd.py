@@ -53,9 +53,13 @@ def submit(
     Without a broker the job runs here, in-process, with a progress bar. With --broker
     (or VLMBATCH_BROKER_URL) its shards are queued for `vlmbatch worker` processes.
     """
+    import os
+
+    from vlmbatch.config import EngineConfig, MediaConfig, WorkerConfig
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.errors import JobError
     from vlmbatch.io.readers import ColumnMap
+    from vlmbatch.job.preparer import RowPreparer
     from vlmbatch.media.gpu_batch import defer_jpegs_for, gpu_image_decode_mode
     from vlmbatch import job as jobs
 
@@ -72,18 +76,20 @@ def submit(
     try:
         if gpu_image_decode is not None:  # a typo fails before anything is written
             gpu_image_decode = gpu_image_decode_mode(gpu_image_decode)
+        media_config = MediaConfig.from_env(os.environ)
         if dry_run:
-            report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media, chat_template=template)
+            report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media,
+                                  chat_template=template, media=media_config)
             jobs.print_dry_run(report, console)
             raise typer.Exit(0 if report.rows_failed == 0 else 1)
         manifest, job_dir = jobs.plan_job(
             dataset, model, output, engine=engine, columns=columns, sampling=sampling,
-            media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
+            media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template, media=media_config,
         )
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
-    if gpu_image_decode is not None:  # the job's own choice; workers without it use their environment
+    if gpu_image_decode is not None:  # the job's own choice; workers without it use their own default
         manifest.extra["gpu_image_decode"] = gpu_image_decode
         manifest.save()
     print(manifest.job_id, flush=True)
@@ -97,13 +103,23 @@ def submit(
         if wait:
             raise typer.Exit(follow_job(job_dir, broker, console=console))
         return
-    llm = jobs.load_llm(model, engine=engine, dtype=dtype, device=device, chat_template=template)
     try:
-        defer_jpegs_for(llm.engine, manifest.extra.get("gpu_image_decode"))
-    except JobError as exc:  # e.g. forced on without CUDA: refused before any row runs
+        engine_config = EngineConfig.from_env(os.environ, engine=engine, dtype=dtype, device=device,
+                                              gpu_image_decode=gpu_image_decode)
+        worker_config = WorkerConfig.from_env(os.environ)
+    except JobError as exc:  # a bad VLMBATCH_* value, named
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
-    elapsed = jobs.run_job_locally(manifest, job_dir, llm, console=console)
+    with RowPreparer(worker_config, media_config) as preparer:  # one preprocessing pool for all the job's shards
+        preparer.start_fork_server()  # its imports overlap the model load
+        llm = jobs.load_llm(model, engine_config, chat_template=template)
+        try:
+            defer_jpegs_for(llm.engine, engine_config.gpu_image_decode)
+        except JobError as exc:  # e.g. forced on without CUDA: refused before any row runs
+            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2)
+        elapsed = jobs.run_job_locally(manifest, job_dir, llm, preparer, gpu_image_decode=engine_config.gpu_image_decode,
+                                       console=console)
     jobs.print_summary(job_dir, console, elapsed_s=elapsed)
 
 

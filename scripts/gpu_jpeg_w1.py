@@ -82,7 +82,7 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
                                           sampling=sampling, shard_size=100_000)  # fmt: skip
         manifest.extra["gpu_image_decode"] = mode
         manifest.save()
-        seconds = jobs.run_job_locally(manifest, job_dir, llm, show_progress=False, preparer=preparer)
+        seconds = jobs.run_job_locally(manifest, job_dir, llm, preparer, show_progress=False)
     table = pq.read_table(job_dir / "results")
     errors = [e for e in table.column("error").to_pylist() if e]
     if errors:
@@ -108,6 +108,7 @@ def main() -> int:
     import torch
 
     from vlmbatch import job as jobs
+    from vlmbatch.config import EngineConfig, MediaConfig, WorkerConfig
     from vlmbatch.job.preparer import RowPreparer
     from vlmbatch.media.gpu_batch import defer_jpegs_for
 
@@ -128,11 +129,12 @@ def main() -> int:
         warmup_rows = min(WARMUP_ROWS, args.rows)
         warmup = w1data.write_dataset(args.workdir / "w1-jpeg-warmup.parquet", warmup_rows, 90_000, words)
         say(f"datasets: {args.rows} + {warmup_rows} warm-up rows of distinct JPEGs, ~{w1data.PROMPT_TOKENS}-token prompts")
-        llm = jobs.load_llm(str(model), engine="paged", dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu")
+        llm = jobs.load_llm(str(model), EngineConfig(engine="paged", dtype="bfloat16" if cuda else "float32",
+                                                     device="cuda" if cuda else "cpu"))
         runs = report["runs"]
         runs["pre-decoded"] = pre_decoded(llm, args.rows, warmup_rows)
         say(f"pre-decoded: {runs['pre-decoded']}")
-        preparer = RowPreparer()
+        preparer = RowPreparer(WorkerConfig.from_env(os.environ), MediaConfig.from_env(os.environ))
         try:
             if defer_jpegs_for(llm.engine, "auto"):
                 runs["jpeg-gpu"] = job_run(llm, model, dataset, warmup, args.workdir / "jobs", "on", preparer)

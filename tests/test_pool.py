@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from vlmbatch.errors import ErrorType
-from vlmbatch.job.preparer import default_num_workers
 from vlmbatch.job.process_pool import PoolStartError, ProcessPool, Task
 
 
@@ -178,13 +177,3 @@ def test_workers_exit_when_the_owner_is_killed() -> None:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
-
-
-def test_worker_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "0")
-    assert default_num_workers() == 0
-    monkeypatch.delenv("VLMBATCH_PREPROCESS_WORKERS")
-    monkeypatch.delenv("VLMBATCH_WORKER_CPUS", raising=False)
-    cores = len(os.sched_getaffinity(0))
-    assert default_num_workers() == max(1, cores - (2 if cores >= 4 else 1))
-

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
+from vlmbatch.config import MediaConfig, WorkerConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.io.manifest import Manifest
@@ -63,8 +63,8 @@ def _by_row(items: list[PreparedRow]) -> dict[int, PreparedRow]:
 
 def _prepared(rows: list[tuple[int, Any]], manifest: Manifest, spec: AdapterSpec, num_workers: int | None = None,
               **options: Any) -> list[PreparedRow]:
-    preparation = RowPreparation.for_job(manifest, spec, SamplingParams(max_tokens=4))
-    with RowPreparer(num_workers, **options) as preparer:
+    preparation = RowPreparation.for_job(manifest, spec, SamplingParams(max_tokens=4), MediaConfig())
+    with RowPreparer(WorkerConfig(preprocess_workers=num_workers), MediaConfig(), **options) as preparer:
         return list(preparer.prepare(rows, preparation))
 
 
@@ -95,12 +95,9 @@ def test_a_row_that_kills_its_worker_becomes_a_worker_crash_row(tmp_path: Path, 
     assert all(got[row_id].prepared is not None for row_id in range(10) if row_id not in (2, 5))
 
 
-def test_zero_workers_prepares_in_order_in_this_thread(
-    tmp_path: Path, tiny_qwen: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "0")
+def test_zero_workers_prepares_in_order_in_this_thread(tmp_path: Path, tiny_qwen: Path) -> None:
     manifest, rows = _job(tmp_path, tiny_qwen)
-    got = _prepared(rows, manifest, AdapterSpec(str(tiny_qwen)))
+    got = _prepared(rows, manifest, AdapterSpec(str(tiny_qwen)), num_workers=0)
     assert [item.row_id for item in got] == list(range(10))
 
 

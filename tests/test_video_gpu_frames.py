@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vlmbatch.config import MediaConfig, WorkerConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.io.manifest import Manifest
 from vlmbatch.io.readers import open_dataset
@@ -63,13 +64,13 @@ def test_cuda_frames_give_pixel_values_on_cuda_equal_to_the_cpu_path(qwen, video
     assert within_tolerance(result), result
 
 
-def test_gpu_backends_are_recognised_from_the_job_options(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("VLMBATCH_VIDEO_LOADER_BACKEND", raising=False)
-    assert decodes_on_gpu({"backend": "pynvvideocodec"}) and decodes_on_gpu({"backend": "deepstream"})
-    assert not decodes_on_gpu(None) and not decodes_on_gpu({"backend": "torchcodec"})
-    assert not decodes_on_gpu({"backend": "no-such-decoder"})  # reported by the job's own checks
-    monkeypatch.setenv("VLMBATCH_VIDEO_LOADER_BACKEND", "pynvvideocodec")
-    assert decodes_on_gpu(None) and not decodes_on_gpu({"backend": "opencv"})
+def test_gpu_backends_are_recognised_from_the_job_options():
+    media = MediaConfig()
+    assert decodes_on_gpu({"backend": "pynvvideocodec"}, media) and decodes_on_gpu({"backend": "deepstream"}, media)
+    assert not decodes_on_gpu(None, media) and not decodes_on_gpu({"backend": "torchcodec"}, media)
+    assert not decodes_on_gpu({"backend": "no-such-decoder"}, media)  # reported by the job's own checks
+    gpu_default = MediaConfig.from_env({"VLMBATCH_VIDEO_LOADER_BACKEND": "pynvvideocodec"})
+    assert decodes_on_gpu(None, gpu_default) and not decodes_on_gpu({"backend": "opencv"}, gpu_default)
 
 
 def test_a_gpu_video_job_prepares_its_rows_in_this_process(
@@ -87,8 +88,9 @@ def test_a_gpu_video_job_prepares_its_rows_in_this_process(
                                     sampling={"max_tokens": 4}, shard_size=100,
                                     media_io_kwargs={"video": {"backend": "pynvvideocodec"}})  # fmt: skip
     rows = [row for batch in reader.iter_rows() for row in batch]
-    with RowPreparer(2) as two_workers:
-        got = list(two_workers.prepare(rows, RowPreparation.for_job(manifest, AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4))))
+    preparation = RowPreparation.for_job(manifest, AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4), MediaConfig())
+    with RowPreparer(WorkerConfig(preprocess_workers=2), MediaConfig()) as two_workers:
+        got = list(two_workers.prepare(rows, preparation))
     assert [item.row_id for item in got] == [0, 1, 2, 3]
     assert all(item.prepared is not None for item in got)
 

@@ -46,11 +46,14 @@ def run_guarded(
     should_stop: Callable[[], bool],
     on_progress: Callable[[int, int], None],
     preparer: RowPreparer,
+    **shard_options: Any,
 ) -> ShardOutcome:
-    """Run and commit shard `shard_id`, isolating rows that crashed earlier attempts."""
+    """Run and commit shard `shard_id`, isolating rows that crashed earlier attempts;
+    `shard_options` go to every `run_shard` call as they are."""
     plan = manifest.shards[shard_id]
     whole = RowRange(plan.row_start, plan.row_end)
-    options = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress, "preparer": preparer}
+    options = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress, "preparer": preparer,
+               **shard_options}
     if store.crashes(whole) < crash_limit:
         with store.attempt(whole):
             outcome = run_shard(manifest, job_dir, shard_id, llm, **options)

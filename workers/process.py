@@ -16,29 +16,31 @@ import os
 import socket
 import sys
 
+from vlmbatch.config import EngineConfig, MediaConfig, QueueConfig, WorkerConfig
 from vlmbatch.workers import runtime
 from vlmbatch.workers.app import make_app, queue_name
 from vlmbatch.workers.store import connect
 
 
-def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool, media_io_kwargs: str) -> int:
+def serve(model: str, broker_url: str, slot: str, dry_run: bool, engine: EngineConfig, media: MediaConfig,
+          queue: QueueConfig, worker: WorkerConfig) -> int:
     """Run until shut down; returns Celery's exit code."""
     from vlmbatch.job.preparer import AdapterSpec, RowPreparer
-    from vlmbatch.media.video import parse_video_options, prepare_video_backend
+    from vlmbatch.media.video import default_video_options, prepare_video_backend
 
     logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
-    prepare_video_backend(parse_video_options(json.loads(media_io_kwargs).get("video")))
-    preparer = RowPreparer()  # one preprocessing pool for every shard this process runs
+    prepare_video_backend(default_video_options(media))
+    preparer = RowPreparer(worker, media)  # one preprocessing pool for every shard this process runs
     llm = None
     if not dry_run:
         from vlmbatch.job.plan import load_llm
 
         preparer.start_fork_server()  # its imports overlap the model load
-        llm = load_llm(model, engine=engine, dtype=dtype)
+        llm = load_llm(model, engine)
     try:
         preparer.start(AdapterSpec(model) if llm is not None else None)
-        runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot), preparer))
-        app = make_app(broker_url)
+        runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), preparer, engine, queue, slot))
+        app = make_app(broker_url, queue)
         worker = app.Worker(
             hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",
             queues=[queue_name(model)],
@@ -56,19 +58,15 @@ def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_r
     return int(worker.exitcode or 0)
 
 
-def pin_to_share() -> None:
+def pin_to_share(worker: WorkerConfig) -> None:
     """Run on the cores `vlmbatch worker` gave this process, before torch starts its thread
     pools (sized from the affinity) and the preprocessing pool forks (it inherits it)."""
-    from vlmbatch import config
-
-    cpus = config.worker_cpus()
-    allowed = (cpus or set()) & os.sched_getaffinity(0)
-    if allowed and config.pin_worker_cpus():
+    allowed = (worker.worker_cpus or set()) & os.sched_getaffinity(0)
+    if allowed and worker.pin_worker_cpus:
         os.sched_setaffinity(0, allowed)
 
 
 def main(argv: list[str] | None = None) -> None:
-    pin_to_share()
     parser = argparse.ArgumentParser(description="One vlmbatch worker process (started by `vlmbatch worker`).")
     parser.add_argument("--model", required=True)
     parser.add_argument("--broker", required=True)
@@ -78,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="validate rows without a model (queue benchmark)")
     parser.add_argument("--media-io-kwargs", default="{}", help="this worker's media defaults (JSON), e.g. its video decoder")
     args = parser.parse_args(argv)
-    code = serve(args.model, args.broker, args.slot, args.engine, args.dtype, args.dry_run, args.media_io_kwargs)
+    worker = WorkerConfig.from_env(os.environ)
+    pin_to_share(worker)
+    engine = EngineConfig.from_env(os.environ, engine=args.engine, dtype=args.dtype)
+    media = MediaConfig.from_env(os.environ, video_options=json.loads(args.media_io_kwargs).get("video"))
+    code = serve(args.model, args.broker, args.slot, args.dry_run, engine, media, QueueConfig.from_env(os.environ), worker)
     # Everything that matters is already in the folder and in Redis; tearing down a loaded
     # model at interpreter exit is seconds of garbage collection, so skip it.
     logging.shutdown()

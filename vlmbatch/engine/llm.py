@@ -7,6 +7,7 @@ share: it drives `add_request`/`step` until the given requests are finished.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,11 +60,12 @@ class LLM:
         media_io_kwargs: dict[str, Any] | None = None,
         **engine_kwargs: Any,
     ):
+        from vlmbatch.config import MediaConfig
         from vlmbatch.media.loader import MediaLoader
 
         self.model_name = str(model)
         # chat() loads image_url/video_url parts like a batch job would: local paths allowed.
-        self.media = MediaLoader(media_io_kwargs=media_io_kwargs)
+        self.media = MediaLoader(MediaConfig.from_env(os.environ), media_io_kwargs=media_io_kwargs)
         self.adapter = load_adapter(self.model_name, chat_template=chat_template, trust_remote_code=trust_remote_code)
         self.engine = create_engine(
             engine, self.adapter, dtype=dtype, device=device, max_batch_size=max_batch_size, seed=seed, **engine_kwargs

@@ -32,11 +32,12 @@ def job_progress(console: Console | None = None) -> Progress:
     )
 
 
-def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bool = True, console: Console | None = None,
-                    preparer: RowPreparer | None = None) -> float:
+def run_job_locally(manifest: Any, job_dir: Path, llm: Any, preparer: RowPreparer, *, gpu_image_decode: str = "auto",
+                    show_progress: bool = True, console: Console | None = None) -> float:
     """Run the job's pending shards one after another, with a rich progress bar; return
-    seconds taken. The preprocessing pool is `preparer` (a caller that runs several jobs on
-    one engine keeps its pool warm, as a worker does) or one started for this job."""
+    seconds taken. `preparer` is the caller's preprocessing pool, for all the job's shards
+    (a caller that runs several jobs on one engine keeps it warm, as a worker does);
+    `gpu_image_decode` is the caller's `EngineConfig.gpu_image_decode` (see `run_shard`)."""
     started = time.perf_counter()
     todo = pending_shards(manifest, job_dir)
     done_rows = sum(s.row_end - s.row_start for s in manifest.shards if s.shard_id not in set(todo))
@@ -51,14 +52,9 @@ def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bo
             failed += bad
             progress.update(task, advance=ok + bad, failed=failed, rate=_rate(progress, task))
 
-        own = preparer is None
-        preparer = RowPreparer() if own else preparer  # one preprocessing pool for all the job's shards
-        try:
-            for shard_id in todo:
-                run_shard(manifest, job_dir, shard_id, llm, on_progress=advance, preparer=preparer)
-        finally:
-            if own:
-                preparer.close()
+        for shard_id in todo:
+            run_shard(manifest, job_dir, shard_id, llm, preparer=preparer, on_progress=advance,
+                      gpu_image_decode=gpu_image_decode)
     return time.perf_counter() - started
 
 

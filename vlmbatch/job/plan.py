@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.config import EngineConfig, MediaConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import JobError
 
@@ -24,16 +25,17 @@ def check_model(model: str) -> str:
     return family
 
 
-def check_media_io_kwargs(media_io_kwargs: dict[str, Any]) -> None:
-    """Job-level media options are validated once, at submit (a typo must not fail every row)."""
+def check_media_io_kwargs(media_io_kwargs: dict[str, Any], media: MediaConfig) -> None:
+    """Job-level media options are validated once, at submit (a typo must not fail every
+    row), over the defaults of the submitting process's `media` configuration."""
     unknown = set(media_io_kwargs) - {"image", "video"}
     if unknown:
         raise JobError(f"--media-io-kwargs: unknown media kind(s) {sorted(unknown)}; expected 'image' and/or 'video'")
     if "video" in media_io_kwargs:
-        from vlmbatch.media.video.options import parse_video_options
+        from vlmbatch.media.video.options import default_video_options, parse_video_options
 
         try:
-            parse_video_options(media_io_kwargs["video"])
+            parse_video_options(media_io_kwargs["video"], default_video_options(media))
         except ValueError as exc:
             raise JobError(f"--media-io-kwargs: {exc}") from exc
 
@@ -50,14 +52,16 @@ def plan_job(
     shard_size: int = 1000,
     broker: str | None = None,
     chat_template: str | None = None,
+    media: MediaConfig | None = None,
 ) -> tuple[Any, Path]:
-    """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet."""
+    """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet. Its media
+    options are checked over `media` (the submitting process's; default: the built-in one)."""
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.readers import ShardPlan, open_dataset
 
     reader = open_dataset(dataset, columns)
     check_model(model)
-    check_media_io_kwargs(media_io_kwargs or {})
+    check_media_io_kwargs(media_io_kwargs or {}, media or MediaConfig())
     manifest = Manifest.for_dataset(
         reader,
         output_dir=output,
@@ -76,10 +80,13 @@ def plan_job(
     return manifest, manifest.job_dir
 
 
-def load_llm(model: str, *, engine: str = "auto", dtype: str = "auto", device: str = "auto", chat_template: str | None = None, **kwargs: Any) -> Any:
+def load_llm(model: str, config: EngineConfig, chat_template: str | None = None) -> Any:
     """Load the model once (the expensive part of a worker's start-up; start the
     preprocessing pool's fork server first, `RowPreparer.start_fork_server`, so its
     imports overlap the model load)."""
     from vlmbatch.engine.llm import LLM
 
-    return LLM(model=model, engine=engine, dtype=dtype, device=device, chat_template=chat_template, **kwargs)
+    # Until `LLM` takes the whole `EngineConfig` (the lead's refactor), the options it takes today.
+    options: dict[str, Any] = {} if config.attention_backend == "auto" else {"attention_backend": config.attention_backend}
+    return LLM(model=model, engine=config.engine, dtype=config.dtype, device=config.device, chat_template=chat_template,
+               **options)

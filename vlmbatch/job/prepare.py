@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.config import MediaConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import RowError
 from vlmbatch.job.rows import RowRequest, parse_row
@@ -33,9 +34,9 @@ class PreparedRow:
         return self.request.sampling
 
 
-def media_loader_for(dataset: str | Path, media_io_kwargs: dict[str, Any] | None) -> MediaLoader:
+def media_loader_for(dataset: str | Path, media_io_kwargs: dict[str, Any] | None, config: MediaConfig) -> MediaLoader:
     """Media options of a job: relative paths resolve next to the dataset file."""
-    return MediaLoader(base_dir=Path(dataset).resolve().parent, media_io_kwargs=media_io_kwargs or {})
+    return MediaLoader(config, base_dir=Path(dataset).resolve().parent, media_io_kwargs=media_io_kwargs or {})
 
 
 def prepare_row(

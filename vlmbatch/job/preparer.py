@@ -25,7 +25,7 @@ from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vlmbatch import config
+from vlmbatch.config import MediaConfig, WorkerConfig
 from vlmbatch.errors import RowError
 from vlmbatch.job.process_pool import PoolStartError, ProcessPool, Task, start_fork_server
 
@@ -54,18 +54,18 @@ PRELOAD = (
 )
 
 
-def default_num_workers() -> int:
-    """`VLMBATCH_PREPROCESS_WORKERS`, else this process's cores less those left to the engine.
+def default_num_workers(worker: WorkerConfig) -> int:
+    """`worker.preprocess_workers` when set, else this process's cores less those left to
+    the engine.
 
     This process's cores are its share of the host (`vlmbatch worker` gives each GPU worker
-    its own, see `config.worker_cpus`), else its affinity. The engine keeps two of them when
+    its own: `worker.worker_cpus`), else its affinity. The engine keeps two of them when
     it can (its Python loop, plus the CUDA, pinned-copy and queue heartbeat threads), one
     otherwise: a 16-core host with two GPU workers gets 6 preprocessing processes per GPU.
     """
-    configured = config.preprocess_workers()
-    if configured is not None:
-        return configured
-    cores = len(config.worker_cpus() or os.sched_getaffinity(0))
+    if worker.preprocess_workers is not None:
+        return worker.preprocess_workers
+    cores = len(worker.worker_cpus or os.sched_getaffinity(0))
     return max(1, cores - (2 if cores >= 4 else 1))
 
 
@@ -88,7 +88,8 @@ class RowPreparation:
     """Everything `prepare_row` needs besides the row (a job's settings); it travels with
     each row, so one pool serves shard after shard of any job (~1 KB per row).
 
-    `adapter_spec` None validates media without a model (the queue benchmark).
+    `adapter_spec` None validates media without a model (the queue benchmark). `media` is
+    the owning process's media configuration: the workers load media as it would.
     `pixel_dtype` (a torch dtype name such as "bfloat16") is the engine's: its vision tower
     casts pixels to it first thing, so casting them in the worker gives the same results
     and halves the bytes that cross the pipe (a 448x448 image: 4.8 -> 2.4 MB). None keeps
@@ -100,13 +101,16 @@ class RowPreparation:
     media_io_kwargs: dict[str, Any]
     columns: Any
     defaults: SamplingParams
+    media: MediaConfig
     pixel_dtype: str | None = None
     defer_jpegs: bool = False  # JPEG bytes go to the engine for GPU decoding (media/gpu_batch.py)
 
     @classmethod
-    def for_job(cls, manifest: Any, adapter_spec: AdapterSpec | None, defaults: SamplingParams, **options: Any) -> RowPreparation:
+    def for_job(cls, manifest: Any, adapter_spec: AdapterSpec | None, defaults: SamplingParams, media: MediaConfig,
+                **options: Any) -> RowPreparation:
         """The preparation of `manifest`'s rows; `options` are `pixel_dtype` and `defer_jpegs`."""
-        return cls(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {}, manifest.columns, defaults, **options)
+        return cls(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {}, manifest.columns, defaults, media,
+                   **options)
 
     @property
     def videos_on_gpu(self) -> bool:
@@ -115,13 +119,14 @@ class RowPreparation:
         for and send the frames back through the host (docs/video.md)."""
         from vlmbatch.media.video import decodes_on_gpu
 
-        return decodes_on_gpu(self.media_io_kwargs.get("video"))
+        return decodes_on_gpu(self.media_io_kwargs.get("video"), self.media)
 
 
 class _RowHandler:
     """Prepares rows one at a time, each `(row_id, (preparation, raw))`; the adapter and the
     media loader are built once and rebuilt only when a row's preparation asks for other
-    ones (another model spelling or chat template; another dataset or media options)."""
+    ones (another model spelling or chat template; another dataset or media options or
+    configuration)."""
 
     def __init__(self, adapter_spec: AdapterSpec | None, adapter: ModelAdapter | None = None, cast_pixels: bool = True):
         self.adapter_spec = adapter_spec
@@ -138,8 +143,8 @@ class _RowHandler:
         if preparation.adapter_spec != self.adapter_spec:
             self.adapter_spec = preparation.adapter_spec
             self.adapter = self.adapter_spec.load() if self.adapter_spec is not None else None
-        if (preparation.dataset, preparation.media_io_kwargs) != self.media_for:
-            self.media_for = (preparation.dataset, preparation.media_io_kwargs)
+        if (preparation.dataset, preparation.media_io_kwargs, preparation.media) != self.media_for:
+            self.media_for = (preparation.dataset, preparation.media_io_kwargs, preparation.media)
             self.media = media_loader_for(*self.media_for)
         item = prepare_row(row_id, raw, preparation.columns, preparation.defaults, self.adapter, self.media,
                            defer_jpegs=preparation.defer_jpegs)
@@ -177,14 +182,20 @@ class RowPreparer:
 
     A `vlmbatch worker` GPU process holds one for all the shards (of every job) it runs, and
     an in-process job one for all its shards: the workers start and load the adapter once,
-    not per shard. The pool is rebuilt only after it failed to start. `max_pending` bounds
-    the rows read from a source and not yet yielded (default 4 per worker). `starts` counts
-    the pools started, `restarts` the workers replaced (crashes, timeouts, abandoned sources).
+    not per shard. The pool is rebuilt only after it failed to start.
+
+    It is built from the owner's configuration: `worker` sizes the pool (and says how much
+    GPU memory decoded media of the rows in flight may hold, `job.shard.GpuMediaBudget`),
+    `media` is how the rows' media are loaded. `max_pending` bounds the rows read from a
+    source and not yet yielded (default 4 per worker). `starts` counts the pools started,
+    `restarts` the workers replaced (crashes, timeouts, abandoned sources).
     """
 
-    def __init__(self, num_workers: int | None = None, max_pending: int | None = None,
+    def __init__(self, worker: WorkerConfig, media: MediaConfig, *, max_pending: int | None = None,
                  row_timeout: float | None = DEFAULT_ROW_TIMEOUT):
-        self.num_workers = default_num_workers() if num_workers is None else num_workers
+        self.worker = worker
+        self.media = media
+        self.num_workers = default_num_workers(worker)
         self.max_pending = max_pending
         self.row_timeout = row_timeout
         self.pool: ProcessPool | None = None

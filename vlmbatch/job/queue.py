@@ -67,9 +67,10 @@ def _store(manifest: Manifest, broker_url: str) -> JobStore:
 
 
 def _queue_shards(manifest: Manifest, broker_url: str, shard_ids: list[int], retry_errors: bool = False) -> None:
+    from vlmbatch.config import QueueConfig
     from vlmbatch.workers.app import SHARD_TASK, make_app, queue_name
 
-    app = make_app(broker_url)
+    app = make_app(broker_url, QueueConfig())  # it only sends: the delivery settings are the workers'
     queue = queue_name(manifest.model)
     with app.producer_or_acquire() as producer:
         for shard_id in shard_ids:

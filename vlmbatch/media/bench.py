@@ -218,6 +218,7 @@ def pool_memory(rows: int, workers: int | None = None, workdir: str | None = Non
     import tempfile
     from pathlib import Path
 
+    from vlmbatch.config import MediaConfig, WorkerConfig
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.readers import open_dataset
@@ -233,11 +234,11 @@ def pool_memory(rows: int, workers: int | None = None, workdir: str | None = Non
     manifest = Manifest.for_dataset(reader, output_dir=folder / "out", model=str(model), engine="hf",
                                     sampling={"max_tokens": 4}, shard_size=rows)  # fmt: skip
     source = (row for batch in reader.iter_rows() for row in batch)
-    preparer = RowPreparer(workers)
+    preparer = RowPreparer(WorkerConfig(preprocess_workers=workers), MediaConfig())
     workers = preparer.num_workers
     rss_before, rss_max, failed = _rss_mb(), 0, 0
     start = time.perf_counter()
-    preparation = RowPreparation.for_job(manifest, AdapterSpec(str(model)), SamplingParams(max_tokens=4))
+    preparation = RowPreparation.for_job(manifest, AdapterSpec(str(model)), SamplingParams(max_tokens=4), MediaConfig())
     with preparer:
         for count, item in enumerate(preparer.prepare(source, preparation), start=1):
             failed += item.error is not None
