@@ -80,7 +80,7 @@ def bench_serve(
     output: Path = typer.Option(Path("bench-out/serve.json"), "--output", "-o", help="JSON results file."),
 ) -> None:
     """Closed-loop load: each client sends its next request when the previous one is answered."""
-    from vlmbatch.server.launcher import ServerProcess
+    from vlmbatch.testing.server_process import ServerProcess
     from vlmbatch.server.loadgen import run_load
 
     if sum(x is not None for x in (model, shape, url)) != 1:
