@@ -41,7 +41,8 @@ def _in_process(dataset: Path, model: str, output: Path, shard_size: int) -> flo
 
 def _through_queue(dataset: Path, model: str, output: Path, shard_size: int, broker: str, workers: list[Any]) -> dict[str, Any]:
     from vlmbatch import job as jobs
-    from vlmbatch.job.queue import committed_shards, enqueue_job
+    from vlmbatch.job.parts import committed_shards
+    from vlmbatch.job.queue import enqueue_job
     from vlmbatch.workers.local import wait_until
 
     manifest, job_dir = jobs.plan_job(dataset, model, output, shard_size=shard_size, broker=broker)

@@ -140,7 +140,7 @@ def test_cpu_decoder_threads_reach_opencv(tmp_path):
     """Preprocessing workers set one decoder thread; OpenCV's capture is opened with it."""
     cv2 = pytest.importorskip("cv2")
     from vlmbatch.media.refs import MediaSource
-    from vlmbatch.media.video.opencv_backend import open_capture
+    from vlmbatch.media.video.opencv_capture import open_capture
     from vlmbatch.media.video.options import set_cpu_decoder_threads
     from vlmbatch.testing.videos import ffmpeg_available, make_video
 

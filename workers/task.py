@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.io.manifest import Manifest
-from vlmbatch.job.queue import part_counts
+from vlmbatch.job.parts import part_counts
 from vlmbatch.job.shard import run_shard
 from vlmbatch.workers import runtime
 from vlmbatch.workers.lease import ShardLease

@@ -9,13 +9,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from vlmbatch.job.parts import pending_shards
 from vlmbatch.job.preparer import RowPreparer
 from vlmbatch.job.shard import run_shard
-
-
-def pending_shards(manifest: Any, job_dir: Path) -> list[int]:
-    """Shards without a committed part: the manifest plus the parts are the source of truth."""
-    return [s.shard_id for s in manifest.shards if not manifest.part_path(s.shard_id).exists()]
 
 
 def job_progress(console: Console | None = None) -> Progress:
