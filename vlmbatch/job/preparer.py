@@ -107,10 +107,10 @@ class RowPreparation:
 
     @classmethod
     def for_job(cls, manifest: Any, adapter_spec: AdapterSpec | None, defaults: SamplingParams, media: MediaConfig,
-                **options: Any) -> RowPreparation:
-        """The preparation of `manifest`'s rows; `options` are `pixel_dtype` and `defer_jpegs`."""
+                pixel_dtype: str | None = None, defer_jpegs: bool = False) -> RowPreparation:
+        """The preparation of `manifest`'s rows."""
         return cls(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {}, manifest.columns, defaults, media,
-                   **options)
+                   pixel_dtype, defer_jpegs)
 
     @property
     def videos_on_gpu(self) -> bool:
