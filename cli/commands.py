@@ -1,4 +1,4 @@
-"""Imports every command module so each registers its commands on the shared app."""
+"""The `vlmbatch` app: every command module is imported and registers its commands on it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import importlib
 
 import typer
 
-from vlmbatch.cli.main import app
-
+app = typer.Typer(
+    name="vlmbatch",
+    help="Batch-offline inference for vision-language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 bench_app = typer.Typer(help="Benchmarks: print a table and write JSON (see BENCHMARKS.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

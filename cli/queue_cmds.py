@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from vlmbatch.cli.options import (
+    AttentionBackendOption,
     BrokerOption,
     DtypeOption,
     EngineOption,
@@ -40,6 +41,7 @@ def worker(
     gpus: str = typer.Option("all", "--gpus", help="GPUs to use, one worker process each (on its own share of the cores): all, a list such as 0,1, or cpu (one CPU process)."),
     engine: str = EngineOption,
     dtype: str = DtypeOption,
+    attention_backend: Optional[str] = AttentionBackendOption,
     media_io_kwargs: Optional[str] = MediaIoKwargsOption,
     dry_run: bool = typer.Option(False, "--dry-run", hidden=True, help="Validate rows without a model (queue benchmark)."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
@@ -50,33 +52,36 @@ def worker(
     hw_decoders, reserved at start-up); each job's and row's own options apply on top.
     --gpu-image-decode is this worker's default too (a job's `submit --gpu-image-decode` wins).
     """
-    import json
     import os
 
-    from vlmbatch.config import GPU_IMAGE_DECODE
-
-    from vlmbatch.media.video import ensure_backend_available, parse_video_options
+    from vlmbatch.config import EngineConfig, MediaConfig, QueueConfig, WorkerConfig
+    from vlmbatch.errors import JobError
+    from vlmbatch.media.video import default_video_options, ensure_backend_available
+    from vlmbatch.workers.process import ProcessConfigs
     from vlmbatch.workers.supervisor import Supervisor, gpu_slots
 
     if not broker:
         raise typer.BadParameter("a worker needs a broker", param_hint="--broker")
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
-    if gpu_image_decode is not None:  # the engine processes read it where they run shards
-        if gpu_image_decode not in GPU_IMAGE_DECODE:
-            raise typer.BadParameter(f"choose one of {', '.join(GPU_IMAGE_DECODE)}", param_hint="--gpu-image-decode")
-        os.environ["VLMBATCH_GPU_IMAGE_DECODE"] = gpu_image_decode
+    try:  # every process of this worker gets these; a wrong flag or variable is named here, once
+        configs = ProcessConfigs(
+            engine=EngineConfig.from_env(os.environ, engine=engine, dtype=dtype, attention_backend=attention_backend,
+                                         gpu_image_decode=gpu_image_decode),
+            media=MediaConfig.from_env(os.environ, video_options=media.get("video")),
+            queue=QueueConfig.from_env(os.environ),
+            worker=WorkerConfig.from_env(os.environ),
+        )
+    except JobError as exc:
+        raise typer.BadParameter(str(exc))
     try:
-        ensure_backend_available(parse_video_options(media.get("video")).backend)
+        ensure_backend_available(default_video_options(configs.media).backend)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--media-io-kwargs")
     try:
         slots = gpu_slots(gpus)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--gpus")
-    supervisor = Supervisor(
-        model, broker, slots, engine=engine, dtype=dtype, dry_run=dry_run, media_io_kwargs=json.dumps(media)
-    )
-    raise typer.Exit(supervisor.run())
+    raise typer.Exit(Supervisor(model, broker, slots, configs, dry_run=dry_run).run())
 
 
 def status(job: str = JobArgument, output: Path = OutputOption, broker: Optional[str] = BrokerOption) -> None:

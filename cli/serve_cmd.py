@@ -90,17 +90,25 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve MODEL behind an OpenAI-compatible /v1/chat/completions (images and videos)."""
+    import os
+
     import uvicorn
 
+    from vlmbatch.config import MediaConfig
     from vlmbatch.engine.factory import create_engine
     from vlmbatch.errors import JobError
     from vlmbatch.families.registry import load_adapter
-    from vlmbatch.media.video import parse_video_options, prepare_video_backend
+    from vlmbatch.media.video import default_video_options, parse_video_options, prepare_video_backend
     from vlmbatch.server.app import create_app, require_chat_template
     from vlmbatch.server.settings import ServerSettings
 
     console = Console(stderr=True)
     config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend)
+    try:
+        media = MediaConfig.from_env(os.environ)
+    except JobError as exc:  # a bad VLMBATCH_* value, named
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2)
     settings = ServerSettings(
         model=model,
         served_model_name=served_model_name,
@@ -114,9 +122,10 @@ def serve(
         allowed_media_networks=_networks(allowed_media_networks),
         max_media_bytes=max_media_bytes,
         max_image_pixels=max_image_pixels,
+        media=media,
     )
     try:
-        prepare_video_backend(parse_video_options(settings.media_io_kwargs.get("video")))
+        prepare_video_backend(parse_video_options(settings.media_io_kwargs.get("video"), default_video_options(media)))
         adapter = load_adapter(model, chat_template=settings.chat_template, trust_remote_code=config.trust_remote_code)
         require_chat_template(adapter)  # before the weights load: a refusal should be quick
         app = create_app(adapter, create_engine(adapter, config), settings)

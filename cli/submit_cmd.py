@@ -69,12 +69,16 @@ def submit(
     Without a broker the job runs here, in-process, with a progress bar. With --broker
     (or VLMBATCH_BROKER_URL) its shards are queued for `vlmbatch worker` processes.
     """
+    import os
+
+    from vlmbatch.config import MediaConfig, WorkerConfig
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.errors import JobError
     from vlmbatch.io.readers import ColumnMap
     from vlmbatch.engine.gpu_images import defers_image_decoding
     from vlmbatch.job.jobfile import apply_job_file, is_job_file
     from vlmbatch.job.plan import structured_output_option
+    from vlmbatch.job.preparer import RowPreparer
     from vlmbatch import job as jobs
 
     console = Console(stderr=True)
@@ -104,20 +108,21 @@ def submit(
                            gpu_image_decode=gpu_image_decode)
     try:
         structured = structured_output_option(parse_json_option(response_format, "--response-format"), json_schema)
+        media_config, worker_config = MediaConfig.from_env(os.environ), WorkerConfig.from_env(os.environ)
         if dry_run:
             report = jobs.dry_run(dataset, model, columns=columns, sampling=sampling, media_io_kwargs=media,
-                                  chat_template=template, storage_options=storage)
+                                  chat_template=template, storage_options=storage, media=media_config)
             jobs.print_dry_run(report, console)
             raise typer.Exit(0 if report.rows_failed == 0 else 1)
         manifest, job_dir = jobs.plan_job(
             dataset, model, output, engine=engine, columns=columns, sampling=sampling,
             media_io_kwargs=media, shard_size=shard_size, broker=broker, chat_template=template,
-            storage_options=storage, structured_output=structured,
+            storage_options=storage, structured_output=structured, media=media_config,
         )
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
-    if gpu_image_decode is not None:  # the job's own choice; workers without it use their environment
+    if gpu_image_decode is not None:  # the job's own choice; workers without it use their own default
         manifest.extra["gpu_image_decode"] = gpu_image_decode
         manifest.save()
     print(manifest.job_id, flush=True)
@@ -131,13 +136,15 @@ def submit(
         if wait:
             raise typer.Exit(follow_job(job_dir, broker, console=console))
         return
-    llm = jobs.load_llm(model, config, chat_template=template)
-    try:
-        defers_image_decoding(llm.engine, config.gpu_image_decode)
-    except JobError as exc:  # e.g. forced on without CUDA: refused before any row runs
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(2)
-    elapsed = jobs.run_job_locally(manifest, job_dir, llm, console=console)
+    with RowPreparer(worker_config, media_config) as preparer:  # one preprocessing pool for all the job's shards
+        preparer.start_fork_server()  # its imports overlap the model load
+        llm = jobs.load_llm(model, config, chat_template=template)
+        try:
+            defers_image_decoding(llm.engine, manifest.extra.get("gpu_image_decode") or config.gpu_image_decode)
+        except JobError as exc:  # e.g. forced on without CUDA: refused before any row runs
+            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2)
+        elapsed = jobs.run_job_locally(manifest, job_dir, llm, preparer, console=console)
     jobs.print_summary(job_dir, console, elapsed_s=elapsed)
 
 

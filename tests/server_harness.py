@@ -1,7 +1,7 @@
 """Helpers for the server tests: a real local HTTP server for media, and small media files.
 
 The media server is a plain `http.server` on 127.0.0.1 in a thread of the test process; the
-vlmbatch server under test is a separate process (`vlmbatch.server.launcher`) that fetches
+vlmbatch server under test is a separate process (`vlmbatch.testing.server_process`) that fetches
 from it over real sockets.
 """
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmbatch.config import EngineConfig
+from vlmbatch.config import EngineConfig, MediaConfig, WorkerConfig
 from vlmbatch.engine.gpu_images import EncodedImageDecoder, defers_image_decoding
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ def _decoded(adapter, prompt: PreparedPrompt, device: str) -> dict[str, torch.Te
 
 
 def _row(tmp_path: Path, arch: str, adapter, images: list[bytes], defer: bool = True):
-    media = media_loader_for(tmp_path / "data.jsonl", None)
+    media = media_loader_for(tmp_path / "data.jsonl", None, MediaConfig())
     raw = {"prompt": PROMPTS[arch](len(images)), "images": images}
     return prepare_row(0, raw, ColumnMap(), SamplingParams(max_tokens=4), adapter, media, defer_jpegs=defer)
 
@@ -128,7 +128,8 @@ def test_bad_jpegs_fail_at_preparation(bad: str, tiny_qwen: Path, tmp_path: Path
         "corrupt_scan": good[:600] + bytes(len(good) - 602) + good[-2:],  # header intact, entropy data zeroed
         "too_large": _jpeg((4000, 3000)),
     }[bad]
-    media = media_loader_for(tmp_path / "d.jsonl", {"image": {"max_pixels": 10_000_000}} if bad != "too_large" else {"image": {"max_pixels": 1_000_000}})
+    media = media_loader_for(tmp_path / "d.jsonl", {"image": {"max_pixels": 10_000_000}} if bad != "too_large" else {"image": {"max_pixels": 1_000_000}},
+                             MediaConfig())
     item = prepare_row(0, {"prompt": PROMPTS["qwen2_5_vl"](1), "image": data}, ColumnMap(), SamplingParams(), adapter, media, defer_jpegs=True)
     cpu = prepare_row(0, {"prompt": PROMPTS["qwen2_5_vl"](1), "image": data}, ColumnMap(), SamplingParams(), adapter, media)
     expected = ErrorType.MEDIA_TOO_LARGE if bad == "too_large" else ErrorType.MEDIA_DECODE
@@ -140,7 +141,7 @@ def test_pool_workers_pass_encoded_jpegs_and_row_errors(tiny_qwen: Path, tmp_pat
     """Through real worker processes: same ids and grids as the CPU path, bytes instead of pixels."""
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.readers import open_dataset
-    from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+    from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer
     from vlmbatch.testing.data import write_image_dataset
 
     dataset = write_image_dataset(tmp_path / "rows.jsonl", 8, image_mode="data_url", image_format="JPEG", bad_rows={2: "corrupt"})
@@ -149,8 +150,11 @@ def test_pool_workers_pass_encoded_jpegs_and_row_errors(tiny_qwen: Path, tmp_pat
                                     sampling={"max_tokens": 4}, shard_size=100)  # fmt: skip
     rows = [row for batch in reader.iter_rows() for row in batch]
     spec, defaults = AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4)
-    cpu = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=0)}
-    encoded = {i.row_id: i for i in prepare_rows_parallel(rows, manifest, spec, defaults, num_workers=2, defer_jpegs=True)}
+    here, pool = (RowPreparer(WorkerConfig(preprocess_workers=n), MediaConfig()) for n in (0, 2))
+    with here, pool:
+        cpu = {i.row_id: i for i in here.prepare(rows, RowPreparation.for_job(manifest, spec, defaults, MediaConfig()))}
+        encoded = {i.row_id: i for i in pool.prepare(rows, RowPreparation.for_job(manifest, spec, defaults, MediaConfig(),
+                                                                                   defer_jpegs=True))}
     assert sorted(encoded) == sorted(cpu)
     assert encoded[2].error is not None and encoded[2].error.error_type == cpu[2].error.error_type == ErrorType.MEDIA_DECODE
     for row_id, item in encoded.items():
@@ -269,13 +273,16 @@ def _job_results(model: Path, tmp_path: Path, device: str, modes: tuple[str, ...
     images[3] = corrupt_image_bytes()
     dataset = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"prompt": [PROMPTS["qwen2_5_vl"](1)] * 12, "image": images}), dataset)
+    from vlmbatch.job.preparer import RowPreparer
+
     llm = jobs.load_llm(str(model), EngineConfig(engine="paged", dtype="float32", device=device))
     results = {}
     for mode in modes:
         manifest, job_dir = jobs.plan_job(dataset, str(model), tmp_path / mode, sampling=SamplingParams(max_tokens=8, temperature=0.0), shard_size=5)
         manifest.extra["gpu_image_decode"] = mode
         manifest.save()
-        jobs.run_job_locally(manifest, job_dir, llm, show_progress=False)
+        with RowPreparer(WorkerConfig(), MediaConfig()) as preparer:
+            jobs.run_job_locally(manifest, job_dir, llm, preparer, show_progress=False)
         table = pq.read_table(job_dir / "results").sort_by("row_id").to_pylist()
         results[mode] = [(r["row_id"], r["generated_text"], r["num_input_tokens"], r["error_type"]) for r in table]
     return results

@@ -117,7 +117,7 @@ def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
     import openai
 
     from server_harness import data_url
-    from vlmbatch.server.launcher import ServerProcess
+    from vlmbatch.testing.server_process import ServerProcess
 
     model = str(tiny_model_dir("qwen3_vl_moe"))
     args = ["--model", model, "--allowed-local-media-path", str(media_folder), "--media-io-kwargs", '{"video": {"num_frames": 4}}']

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from vlmbatch.errors import ErrorType
-from vlmbatch.job.pool import PoolStartError, ProcessPool, Task, default_num_workers
+from vlmbatch.job.process_pool import PoolStartError, ProcessPool, Task
 
 
 def _echo_setup(slow_every: int) -> Callable[[Task], Any]:
@@ -163,7 +163,7 @@ def test_workers_exit_when_the_owner_is_killed() -> None:
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_pool import _echo_setup, _failure
-        from vlmbatch.job.pool import ProcessPool
+        from vlmbatch.job.process_pool import ProcessPool
 
         pool = ProcessPool(_echo_setup, 1000, _failure, num_workers=2).__enter__()
         next(pool.imap_unordered([(1, None)]))
@@ -177,30 +177,3 @@ def test_workers_exit_when_the_owner_is_killed() -> None:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
-
-
-def test_worker_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "0")
-    assert default_num_workers() == 0
-    monkeypatch.delenv("VLMBATCH_PREPROCESS_WORKERS")
-    monkeypatch.delenv("VLMBATCH_WORKER_CPUS", raising=False)
-    cores = len(os.sched_getaffinity(0))
-    assert default_num_workers() == max(1, cores - (2 if cores >= 4 else 1))
-
-
-def _decoder_threads_setup(_: None) -> Callable[[Task], Any]:
-    """Reports the thread settings a pool worker decodes with."""
-    import torch
-
-    from vlmbatch.media.video.options import cpu_decoder_threads
-
-    return lambda task: (task[0], torch.get_num_threads(), cpu_decoder_threads())
-
-
-def test_workers_decode_with_one_thread_each() -> None:
-    """The pool is the parallelism: torch ops and video decoders in a worker use one thread."""
-    from vlmbatch.media.video.options import cpu_decoder_threads
-
-    with ProcessPool(_decoder_threads_setup, None, _failure, num_workers=1) as pool:
-        assert list(pool.imap_unordered([(7, None)])) == [(7, 1, 1)]
-    assert cpu_decoder_threads() == 0  # the owner keeps the libraries' defaults

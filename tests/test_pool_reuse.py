@@ -11,17 +11,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from test_pool import _alive, _echo_setup, _failure
+from vlmbatch.config import MediaConfig, WorkerConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.io.manifest import Manifest
 from vlmbatch.io.readers import open_dataset
-from vlmbatch.job.pool import AdapterSpec, ProcessPool, RowPreparation, RowPreparer, default_num_workers
+from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer, default_num_workers
+from vlmbatch.job.process_pool import ProcessPool
 from vlmbatch.job.shard import pixel_dtype, run_shard
 from vlmbatch.testing.data import write_image_dataset
 from vlmbatch.workers.supervisor import cpu_shares, pinned_env
@@ -63,14 +64,30 @@ def test_send_false_returns_none_instead_of_waiting() -> None:
     assert sorted(r[0] for r in rest) == [1, 2]
 
 
-def test_worker_count_follows_this_workers_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("VLMBATCH_PREPROCESS_WORKERS", raising=False)
-    monkeypatch.setenv("VLMBATCH_WORKER_CPUS", "0-7")
-    assert default_num_workers() == 6  # two cores stay with the engine
-    monkeypatch.setenv("VLMBATCH_WORKER_CPUS", "3,5")
-    assert default_num_workers() == 1
-    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "3")  # the explicit setting wins
-    assert default_num_workers() == 3
+@pytest.mark.parametrize(
+    "cores, configured, expected",
+    [
+        (16, None, 14),  # two cores stay with the engine
+        (8, None, 6),  # a 16-core host's share for one of two GPUs
+        (4, None, 2),
+        (3, None, 2),  # below four cores the engine keeps one
+        (2, None, 1),
+        (1, None, 1),  # never fewer than one
+        (8, 3, 3),  # the configured count wins over the cores
+        (2, 5, 5),  # also when it is more than the cores
+        (8, 0, 0),  # 0: rows are prepared in the engine's thread
+    ],
+)
+def test_pool_size_from_the_cores_of_this_workers_share(cores: int, configured: int | None, expected: int) -> None:
+    worker = WorkerConfig(preprocess_workers=configured, worker_cpus=frozenset(range(100, 100 + cores)))
+    assert default_num_workers(worker) == expected
+
+
+def test_pool_size_without_a_share_follows_this_process_affinity() -> None:
+    affinity = frozenset(os.sched_getaffinity(0))
+    assert default_num_workers(WorkerConfig()) == default_num_workers(WorkerConfig(worker_cpus=affinity))
+    assert default_num_workers(WorkerConfig.from_env({"VLMBATCH_PREPROCESS_WORKERS": "4"})) == 4
+    assert default_num_workers(WorkerConfig.from_env({"VLMBATCH_WORKER_CPUS": "0-7"})) == 6
 
 
 def test_each_gpu_worker_gets_its_own_cores() -> None:
@@ -90,7 +107,8 @@ def test_each_gpu_worker_gets_its_own_cores() -> None:
 def test_a_worker_process_pins_itself_to_its_share(pin: str) -> None:
     share = min(os.sched_getaffinity(0))
     env = dict(os.environ, VLMBATCH_WORKER_CPUS=str(share), VLMBATCH_PIN_WORKER_CPUS=pin)
-    code = "import os; from vlmbatch.workers.process import pin_to_share; pin_to_share(); print(sorted(os.sched_getaffinity(0)))"
+    code = ("import os; from vlmbatch.config import WorkerConfig; from vlmbatch.workers.process import pin_to_share; "
+            "pin_to_share(WorkerConfig.from_env(os.environ)); print(sorted(os.sched_getaffinity(0)))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     expected = [share] if pin == "1" else sorted(os.sched_getaffinity(0))
     assert run.stdout.strip() == str(expected)
@@ -108,7 +126,7 @@ def test_pixels_come_back_in_the_requested_dtype(tmp_path: Path, tiny_qwen: Path
     manifest = _two_shard_job(tmp_path, tiny_qwen)
     rows = [row for batch in open_dataset(manifest.dataset).iter_rows() for row in batch]
     spec, defaults = AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=2)
-    preparer = RowPreparer(num_workers=1)
+    preparer = RowPreparer(WorkerConfig(preprocess_workers=1), MediaConfig())
     try:
         full = {r.row_id: r for r in preparer.prepare(rows, _preparation(manifest, spec, defaults, None))}
         half = {r.row_id: r for r in preparer.prepare(rows, _preparation(manifest, spec, defaults, "bfloat16"))}
@@ -126,7 +144,7 @@ def test_pixels_come_back_in_the_requested_dtype(tmp_path: Path, tiny_qwen: Path
 def test_one_pool_serves_jobs_with_their_own_folders(tmp_path: Path, tiny_qwen: Path) -> None:
     """Relative image paths resolve next to each job's own dataset, through the same workers."""
     spec, defaults = AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=2)
-    preparer = RowPreparer(num_workers=1)
+    preparer = RowPreparer(WorkerConfig(preprocess_workers=1), MediaConfig())
     preparer.start(spec)  # as a GPU worker does once its model is loaded
     try:
         for job in ("a", "b"):
@@ -143,21 +161,19 @@ def test_one_pool_serves_jobs_with_their_own_folders(tmp_path: Path, tiny_qwen: 
 
 
 def _preparation(manifest: Manifest, spec: AdapterSpec, defaults: SamplingParams, dtype: str | None) -> RowPreparation:
-    return RowPreparation(spec, str(manifest.dataset), {}, manifest.columns, defaults, dtype)
+    return RowPreparation(spec, str(manifest.dataset), {}, manifest.columns, defaults, MediaConfig(), dtype)
 
 
-def test_every_shard_of_a_job_reuses_one_pool(tmp_path: Path, tiny_qwen: Path, caplog: pytest.LogCaptureFixture,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_shard_of_a_job_reuses_one_pool(tmp_path: Path, tiny_qwen: Path, caplog: pytest.LogCaptureFixture) -> None:
     from vlmbatch.engine.llm import LLM
 
-    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "1")
     manifest = _two_shard_job(tmp_path, tiny_qwen)
     llm = LLM(str(tiny_qwen), engine="hf", device="cpu", dtype="bfloat16")
     assert pixel_dtype(llm) == "bfloat16"
-    preparer = RowPreparer()
+    preparer = RowPreparer(WorkerConfig(preprocess_workers=1), MediaConfig())
     caplog.set_level(logging.INFO, logger="vlmbatch.job.shard")
     try:
-        outcomes = [run_shard(manifest, manifest.job_dir, s, llm, preparer=preparer) for s in (0, 1)]
+        outcomes = [run_shard(manifest, manifest.job_dir, s, llm, preparer=preparer, slot="3") for s in (0, 1)]
     finally:
         preparer.close()
     assert preparer.starts == 1 and preparer.pool is None
@@ -169,6 +185,7 @@ def test_every_shard_of_a_job_reuses_one_pool(tmp_path: Path, tiny_qwen: Path, c
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shard timing:")]
     assert [line.split()[3] for line in lines] == ["shard=0", "shard=1"]
     assert all(f"job={manifest.job_id} " in line and " rows=3 " in line and " pool_workers=1 " in line for line in lines)
+    assert all(" gpu=3 " in line for line in lines)  # the worker process's slot, passed down
 
 
 @pytest.mark.parametrize("engine", ["hf", "paged"])

@@ -12,7 +12,8 @@ import queue_harness as qh
 from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
 
 from vlmbatch.io.manifest import Manifest
-from vlmbatch.job.queue import cancel_job, committed_shards, job_status
+from vlmbatch.job.parts import committed_shards
+from vlmbatch.job.queue import cancel_job, job_status
 from vlmbatch.workers.local import VLMBATCH
 from vlmbatch.workers.runtime import pid_of
 from vlmbatch.workers.store import JobStore, connect

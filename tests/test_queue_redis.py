@@ -10,7 +10,8 @@ import pytest
 import queue_harness as qh
 from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
 
-from vlmbatch.job.queue import committed_shards, job_status
+from vlmbatch.job.parts import committed_shards
+from vlmbatch.job.queue import job_status
 from vlmbatch.workers.local import VLMBATCH
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ import pytest
 
 from server_harness import MediaServer, data_url, png_bytes, png_header_only
 from vlmbatch.families.registry import load_adapter
-from vlmbatch.server.launcher import ServerProcess
+from vlmbatch.testing.server_process import ServerProcess
 from vlmbatch.testing.videos import ffmpeg_available, make_video
 
 KEY = "sk-test-key"

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from server_harness import MediaServer, media, png_bytes  # noqa: F401  (media: a fixture)
-from vlmbatch.server.launcher import ServerProcess
+from vlmbatch.testing.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from vlmbatch.server.launcher import ServerProcess
+from vlmbatch.testing.server_process import ServerProcess
 
 CLIENTS = 200
 MAX_TOKENS = 4

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from server_harness import MediaServer, media  # noqa: F401  (media: a fixture)
-from vlmbatch.server.launcher import ServerProcess
+from vlmbatch.testing.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

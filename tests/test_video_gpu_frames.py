@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from vlmbatch.config import MediaConfig, WorkerConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.io.manifest import Manifest
 from vlmbatch.io.readers import open_dataset
-from vlmbatch.job import pool
-from vlmbatch.job.pool import AdapterSpec, prepare_rows_parallel
+from vlmbatch.job import preparer, process_pool
+from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer
 from vlmbatch.media.types import VideoFrames
 from vlmbatch.media.video import decodes_on_gpu, load_video, parse_video_options
 from vlmbatch.families.registry import load_adapter
@@ -64,13 +65,13 @@ def test_cuda_frames_give_pixel_values_on_cuda_equal_to_the_cpu_path(qwen, video
     assert within_tolerance(result), result
 
 
-def test_gpu_backends_are_recognised_from_the_job_options(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("VLMBATCH_VIDEO_LOADER_BACKEND", raising=False)
-    assert decodes_on_gpu({"backend": "pynvvideocodec"}) and decodes_on_gpu({"backend": "deepstream"})
-    assert not decodes_on_gpu(None) and not decodes_on_gpu({"backend": "torchcodec"})
-    assert not decodes_on_gpu({"backend": "no-such-decoder"})  # reported by the job's own checks
-    monkeypatch.setenv("VLMBATCH_VIDEO_LOADER_BACKEND", "pynvvideocodec")
-    assert decodes_on_gpu(None) and not decodes_on_gpu({"backend": "opencv"})
+def test_gpu_backends_are_recognised_from_the_job_options():
+    media = MediaConfig()
+    assert decodes_on_gpu({"backend": "pynvvideocodec"}, media) and decodes_on_gpu({"backend": "deepstream"}, media)
+    assert not decodes_on_gpu(None, media) and not decodes_on_gpu({"backend": "torchcodec"}, media)
+    assert not decodes_on_gpu({"backend": "no-such-decoder"}, media)  # reported by the job's own checks
+    gpu_default = MediaConfig.from_env({"VLMBATCH_VIDEO_LOADER_BACKEND": "pynvvideocodec"})
+    assert decodes_on_gpu(None, gpu_default) and not decodes_on_gpu({"backend": "opencv"}, gpu_default)
 
 
 def test_a_gpu_video_job_prepares_its_rows_in_this_process(
@@ -81,15 +82,16 @@ def test_a_gpu_video_job_prepares_its_rows_in_this_process(
     def no_pool(*args, **kwargs):
         raise AssertionError("a GPU-video job must not start preprocessing processes")
 
-    monkeypatch.setattr(pool, "ProcessPool", no_pool)
+    monkeypatch.setattr(preparer, "ProcessPool", no_pool)
     dataset = write_image_dataset(tmp_path / "rows.jsonl", 4, image_mode="data_url", image_format="JPEG")
     reader = open_dataset(dataset)
     manifest = Manifest.for_dataset(reader, output_dir=tmp_path / "out", model=str(tiny_qwen), engine="hf",
                                     sampling={"max_tokens": 4}, shard_size=100,
                                     media_io_kwargs={"video": {"backend": "pynvvideocodec"}})  # fmt: skip
     rows = [row for batch in reader.iter_rows() for row in batch]
-    got = list(prepare_rows_parallel(rows, manifest, AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4),
-                                     num_workers=2))  # fmt: skip
+    preparation = RowPreparation.for_job(manifest, AdapterSpec(str(tiny_qwen)), SamplingParams(max_tokens=4), MediaConfig())
+    with RowPreparer(WorkerConfig(preprocess_workers=2), MediaConfig()) as two_workers:
+        got = list(two_workers.prepare(rows, preparation))
     assert [item.row_id for item in got] == [0, 1, 2, 3]
     assert all(item.prepared is not None for item in got)
 
@@ -98,5 +100,5 @@ def test_a_gpu_video_job_prepares_its_rows_in_this_process(
 def test_cuda_tensors_cross_the_pool_pipe_through_the_host():
     """A row that overrides the backend to a GPU one inside a pool worker: its tensors arrive on the CPU."""
     pixels = torch.randn(5, 7, device="cuda").to(torch.bfloat16)
-    received = pickle.loads(pool._dumps({"pixel_values_videos": pixels}))["pixel_values_videos"]
+    received = pickle.loads(process_pool._dumps({"pixel_values_videos": pixels}))["pixel_values_videos"]
     assert received.device.type == "cpu" and torch.equal(received, pixels.cpu())

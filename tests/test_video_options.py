@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vlmbatch.config import MediaConfig
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.video.options import (
     VideoOptions,
@@ -13,18 +14,18 @@ from vlmbatch.media.video.options import (
 )
 
 
-def test_defaults_follow_the_environment(monkeypatch):
-    monkeypatch.setenv("VLMBATCH_VIDEO_LOADER_BACKEND", "pyav")
-    monkeypatch.setenv("VLMBATCH_MEDIA_LOADING_THREAD_COUNT", "40")
-    options = default_video_options()
+def test_defaults_follow_the_processs_media_configuration():
+    env = {"VLMBATCH_VIDEO_LOADER_BACKEND": "pyav", "VLMBATCH_MEDIA_LOADING_THREAD_COUNT": "40"}
+    options = default_video_options(MediaConfig.from_env(env))
     assert options.backend == "pyav"
     assert options.pool_size == 16  # clamped to [1, 16]
-    monkeypatch.delenv("VLMBATCH_VIDEO_LOADER_BACKEND")
-    monkeypatch.delenv("VLMBATCH_MEDIA_LOADING_THREAD_COUNT")
-    options = default_video_options()
+    options = default_video_options(MediaConfig.from_env({}))
     assert (options.backend, options.pool_size, options.seek_mode, options.num_ffmpeg_threads, options.hw_decoders) == (
         "opencv", 8, "exact", 0, 2,
     )
+    assert VideoOptions() == options  # no configuration: the same built-in defaults
+    with pytest.raises(ValueError, match="VLMBATCH_VIDEO_LOADER_BACKEND.*'ffmpeg'"):
+        default_video_options(MediaConfig.from_env({"VLMBATCH_VIDEO_LOADER_BACKEND": "ffmpeg"}))
 
 
 def test_backend_options_for_their_backend():
@@ -122,23 +123,24 @@ def test_prepare_video_backend_at_start_up():
         prepare_video_backend(parse_video_options({"backend": "deepstream", "pool_size": 4}, VideoOptions()))
 
 
-def test_start_up_options_become_the_process_defaults_under_job_options(monkeypatch):
-    """A worker's or server's --media-io-kwargs set its defaults; a job's own options win."""
-    from vlmbatch.media.video import options as video_options
-    from vlmbatch.media.video import prepare_video_backend
-
-    monkeypatch.setattr(video_options, "_process_defaults", None)
-    prepare_video_backend(parse_video_options({"backend": "pyav", "num_frames": 8}))
-    assert default_video_options().backend == "pyav"
-    job = parse_video_options({"num_frames": 4})
+def test_a_workers_own_options_are_its_defaults_under_job_options():
+    """A worker's --media-io-kwargs set its defaults (over its variables); a job's own options win."""
+    media = MediaConfig.from_env({"VLMBATCH_VIDEO_LOADER_BACKEND": "torchcodec"},
+                                 video_options={"backend": "pyav", "num_frames": 8})
+    defaults = default_video_options(media)
+    assert (defaults.backend, defaults.num_frames) == ("pyav", 8)
+    job = parse_video_options({"num_frames": 4}, defaults)
     assert (job.backend, job.num_frames) == ("pyav", 4)
+    assert parse_video_options({"num_frames": 4}).backend == "opencv"  # nothing else changed: no process state
+    with pytest.raises(ValueError, match="'seek_mode'"):
+        default_video_options(MediaConfig(video_options={"seek_mode": "exact"}))  # opencv has none
 
 
 def test_cpu_decoder_threads_reach_opencv(tmp_path):
     """Preprocessing workers set one decoder thread; OpenCV's capture is opened with it."""
     cv2 = pytest.importorskip("cv2")
     from vlmbatch.media.refs import MediaSource
-    from vlmbatch.media.video.opencv_backend import open_capture
+    from vlmbatch.media.video.opencv_capture import open_capture
     from vlmbatch.media.video.options import set_cpu_decoder_threads
     from vlmbatch.testing.videos import ffmpeg_available, make_video
 

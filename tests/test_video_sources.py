@@ -106,14 +106,17 @@ def test_local_files_can_be_refused_altogether(clip: Path):
     assert load_video(clip.read_bytes(), OPTIONS, ctx).num_frames == 4  # inline bytes are not local files
 
 
-def test_http_errors_and_the_video_fetch_timeout(server: str, monkeypatch: pytest.MonkeyPatch):
+def test_http_errors_and_the_video_fetch_timeout(server: str):
+    from vlmbatch.config import MediaConfig
+    from vlmbatch.media.loader import MediaLoader
+
     with pytest.raises(RowError) as caught:
         load_video(f"{server}/missing.mp4", OPTIONS)
     assert caught.value.error_type == ErrorType.MEDIA_NOT_FOUND
-    monkeypatch.setenv("VLMBATCH_VIDEO_FETCH_TIMEOUT", "0.5")
+    loader = MediaLoader(MediaConfig.from_env({"VLMBATCH_VIDEO_FETCH_TIMEOUT": "0.5"}))
     started = time.monotonic()
     with pytest.raises(RowError) as caught:
-        load_video(f"{server}/slow.mp4", OPTIONS)
+        load_video(f"{server}/slow.mp4", OPTIONS, loader.video_context)
     assert caught.value.error_type == ErrorType.MEDIA_TIMEOUT
     assert time.monotonic() - started < 2.5
 

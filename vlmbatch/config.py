@@ -11,8 +11,9 @@ file) is an error that names it, never silently dropped.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 from vlmbatch.errors import JobError
@@ -40,6 +41,10 @@ def parse_cpu_list(value: str) -> frozenset[int]:
         first, _, last = part.strip().partition("-")
         cores.update(range(int(first), int(last or first) + 1))
     return frozenset(cores)
+
+
+def _lower(value: str) -> str:
+    return value.strip().lower()
 
 
 def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -92,6 +97,23 @@ def load(cls: type[C], env: Mapping[str, str] | None = None, **overrides: Any) -
     return cls(**values)
 
 
+def to_json(config: Any) -> str:
+    """`config` as JSON, for a child process's command line (`from_json` rebuilds it)."""
+    return json.dumps(asdict(config), default=sorted)  # sets (a core list) as sorted lists
+
+
+def from_json(cls: type[C], text: str, env: Mapping[str, str] | None = None) -> C:
+    """The `cls` that `to_json` wrote; options it left unset (None) come from `env`, then
+    the defaults. An unknown option name is a `ConfigError`, as for flags."""
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{getattr(cls, 'kind', cls.__name__)} configuration is not valid JSON: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"{getattr(cls, 'kind', cls.__name__)} configuration must be a JSON object, got {text!r}")
+    return load(cls, env, **values)
+
+
 def describe(cls: type) -> list[tuple[str, str | None, Any, str]]:
     """(option, variable, default, help) of every option of `cls`, for docs and `--help`."""
     rows = []
@@ -113,11 +135,11 @@ class EngineConfig:
 
     kind = "engine"
 
-    engine: str = option("auto", "VLMBATCH_ENGINE", choices=ENGINES,
+    engine: str = option("auto", "VLMBATCH_ENGINE", parse=_lower, choices=ENGINES,
                          help="paged (ours), hf (transformers generate(), the reference) or auto")
     dtype: str = option("auto", "VLMBATCH_DTYPE", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
     device: str = option("auto", "VLMBATCH_DEVICE", help="auto, cpu, cuda or cuda:N")
-    attention_backend: str = option("auto", "VLMBATCH_ATTENTION_BACKEND", choices=ATTENTION_BACKENDS,
+    attention_backend: str = option("auto", "VLMBATCH_ATTENTION_BACKEND", parse=_lower, choices=ATTENTION_BACKENDS,
                                     help="paged attention kernels; auto: triton on CUDA, torch elsewhere")
     max_num_seqs: int | None = option(None, "VLMBATCH_MAX_NUM_SEQS", parse=_optional(int),
                                       help="most requests in one batch (default: 256 paged, 64 hf)")
@@ -135,10 +157,10 @@ class EngineConfig:
     min_admission_batch: int = option(64, "VLMBATCH_MIN_ADMISSION_BATCH",
                                       help="free slots before waiting requests join a running batch (1 = at once)")
     async_decode: bool = option(True, "VLMBATCH_ASYNC_DECODE", help="launch decode step n+1 before reading step n's tokens")
-    decode_linear: str = option("auto", "VLMBATCH_DECODE_LINEAR", choices=DECODE_LINEAR,
+    decode_linear: str = option("auto", "VLMBATCH_DECODE_LINEAR", parse=_lower, choices=DECODE_LINEAR,
                                 help="decode-step linear layers: auto (measured choice), skinny (our kernel) or cublas")
     pdl: bool = option(True, "VLMBATCH_PDL", help="programmatic dependent launch in small decode graphs (Hopper+)")
-    gpu_image_decode: str = option("auto", "VLMBATCH_GPU_IMAGE_DECODE", choices=GPU_IMAGE_DECODE,
+    gpu_image_decode: str = option("auto", "VLMBATCH_GPU_IMAGE_DECODE", parse=_lower, choices=GPU_IMAGE_DECODE,
                                    help="JPEGs decoded by nvJPEG in the engine process (auto: paged engine on CUDA)")
     seed: int = option(0, "VLMBATCH_SEED", help="seeds torch, so unseeded sampling repeats run to run")
     trust_remote_code: bool = option(False, "VLMBATCH_TRUST_REMOTE_CODE", help="allow a checkpoint's own Python code")
@@ -171,6 +193,8 @@ class MediaConfig:
     video_loader_backend: str = option("opencv", "VLMBATCH_VIDEO_LOADER_BACKEND",
                                        help="default video decoder: opencv, pyav, torchcodec, pynvvideocodec, deepstream")
     media_loading_thread_count: int = option(8, "VLMBATCH_MEDIA_LOADING_THREAD_COUNT", help="parallelism of media loading")
+    video_options: dict[str, Any] = option({}, help="this process's video options (the `video` entry of "
+                                                   "`vlmbatch worker --media-io-kwargs`), under each job's and row's own")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "MediaConfig":
@@ -207,6 +231,10 @@ class WorkerConfig:
     gpu_media_budget_mb: int = option(4096, "VLMBATCH_GPU_MEDIA_BUDGET_MB",
                                       help="MB of decoded media that rows in flight may hold on the GPU")
 
+    def __post_init__(self) -> None:
+        if self.worker_cpus is not None and not isinstance(self.worker_cpus, frozenset):
+            object.__setattr__(self, "worker_cpus", frozenset(self.worker_cpus))  # e.g. a list, from JSON
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "WorkerConfig":
         return load(cls, env, **overrides)
@@ -214,101 +242,3 @@ class WorkerConfig:
     @property
     def gpu_media_budget_bytes(self) -> int:
         return self.gpu_media_budget_mb * 2**20
-
-
-# ---- legacy getters: read the environment below the edge; removed as callers take the objects above ----
-import os  # noqa: E402
-
-
-def env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else default
-
-
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
-
-
-def env_str(name: str, default: str | None) -> str | None:
-    value = os.environ.get(name)
-    return value if value not in (None, "") else default
-
-
-def image_fetch_timeout() -> float:
-    """Seconds before an image download is abandoned (`VLMBATCH_IMAGE_FETCH_TIMEOUT`)."""
-    return env_float("VLMBATCH_IMAGE_FETCH_TIMEOUT", 10.0)
-
-
-def video_fetch_timeout() -> float:
-    """Seconds before a video download is abandoned (`VLMBATCH_VIDEO_FETCH_TIMEOUT`)."""
-    return env_float("VLMBATCH_VIDEO_FETCH_TIMEOUT", 30.0)
-
-
-def video_loader_backend() -> str:
-    """Default video decoder (`VLMBATCH_VIDEO_LOADER_BACKEND`)."""
-    return env_str("VLMBATCH_VIDEO_LOADER_BACKEND", "opencv") or "opencv"
-
-
-def media_loading_thread_count() -> int:
-    """Parallelism of media loading (`VLMBATCH_MEDIA_LOADING_THREAD_COUNT`)."""
-    return env_int("VLMBATCH_MEDIA_LOADING_THREAD_COUNT", 8)
-
-
-def broker_url() -> str | None:
-    """The Celery broker; None means run jobs in-process (`VLMBATCH_BROKER_URL`)."""
-    return env_str("VLMBATCH_BROKER_URL", None)
-
-
-def api_key() -> str | None:
-    """Bearer token the server requires on /v1 routes (`VLMBATCH_API_KEY`)."""
-    return env_str("VLMBATCH_API_KEY", None)
-
-
-def queue_visibility_timeout() -> float:
-    """Seconds a running shard may go without a heartbeat before its message is delivered
-    again (`VLMBATCH_QUEUE_VISIBILITY_TIMEOUT`). Workers renew it while a shard runs, so it
-    bounds how long a `kill -9`-ed worker's shard waits, not how long a shard may take."""
-    return env_float("VLMBATCH_QUEUE_VISIBILITY_TIMEOUT", 20.0)
-
-
-def queue_poison_crashes() -> int:
-    """Crashes of the same row range after which a shard is split to isolate a poison row
-    (`VLMBATCH_QUEUE_POISON_CRASHES`)."""
-    return env_int("VLMBATCH_QUEUE_POISON_CRASHES", 3)
-
-
-def preprocess_workers() -> int | None:
-    """Processes that prepare rows (media decoding, the model's processor) for the engine
-    (`VLMBATCH_PREPROCESS_WORKERS`); 0 prepares them in the engine's thread, unset (None)
-    sizes the pool from the usable cores."""
-    value = env_str("VLMBATCH_PREPROCESS_WORKERS", None)
-    return int(value) if value is not None else None
-
-
-def worker_cpus() -> set[int] | None:
-    """The cores of this host that `vlmbatch worker` gave this GPU worker process
-    (`VLMBATCH_WORKER_CPUS`, e.g. "0-7" or "0,2,4"): its preprocessing pool is sized from
-    them. Set by the supervisor for each process it starts; None elsewhere."""
-    value = env_str("VLMBATCH_WORKER_CPUS", None)
-    if value is None:
-        return None
-    cores: set[int] = set()
-    for part in value.split(","):
-        first, _, last = part.strip().partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def gpu_media_budget_bytes() -> int:
-    """How many bytes of media tensors already on the GPU (frames from GPU video decoders)
-    the rows in flight may hold together (`VLMBATCH_GPU_MEDIA_BUDGET_MB`, default 4096):
-    they wait there until the engine encodes them, outside the KV cache's memory plan."""
-    return env_int("VLMBATCH_GPU_MEDIA_BUDGET_MB", 4096) * 2**20
-
-
-def pin_worker_cpus() -> bool:
-    """Whether each `vlmbatch worker` GPU process (engine and preprocessing pool) runs only
-    on its own share of the cores (`VLMBATCH_PIN_WORKER_CPUS`, default 1), so two engines'
-    host threads never compete for a core; 0 only sizes the pools from the share."""
-    return env_int("VLMBATCH_PIN_WORKER_CPUS", 1) != 0

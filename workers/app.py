@@ -12,7 +12,7 @@ import hashlib
 import re
 from typing import TYPE_CHECKING
 
-from vlmbatch import config
+from vlmbatch.config import QueueConfig
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -33,13 +33,14 @@ def queue_name(model: str) -> str:
     return f"vlmbatch.{readable}-{digest}"
 
 
-def make_app(broker_url: str) -> Celery:
-    """A Celery app on `broker_url` (Redis) with the shard task registered."""
+def make_app(broker_url: str, queue: QueueConfig) -> Celery:
+    """A Celery app on `broker_url` (Redis) with the shard task registered; `queue` holds
+    the delivery settings (they matter to the workers that consume, not to a client)."""
     from celery import Celery
 
     from vlmbatch.workers.task import run_shard_task
 
-    visibility_timeout = config.queue_visibility_timeout()
+    visibility_timeout = queue.visibility_timeout
     app = Celery("vlmbatch", broker=broker_url, set_as_current=False)
     app.conf.update(
         # Ack a shard's message only when the task returns, i.e. after its part is

@@ -15,7 +15,7 @@ from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.io.manifest import Manifest
-from vlmbatch.job.pool import RowPreparer
+from vlmbatch.job.preparer import RowPreparer
 from vlmbatch.job.shard import ShardOutcome, run_shard
 from vlmbatch.workers.store import JobStore, RowRange
 
@@ -45,12 +45,15 @@ def run_guarded(
     attempt: int,
     should_stop: Callable[[], bool],
     on_progress: Callable[[int, int], None],
-    preparer: RowPreparer | None = None,
+    preparer: RowPreparer,
+    **shard_options: Any,
 ) -> ShardOutcome:
-    """Run and commit shard `shard_id`, isolating rows that crashed earlier attempts."""
+    """Run and commit shard `shard_id`, isolating rows that crashed earlier attempts;
+    `shard_options` go to every `run_shard` call as they are."""
     plan = manifest.shards[shard_id]
     whole = RowRange(plan.row_start, plan.row_end)
-    options = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress, "preparer": preparer}
+    options = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress, "preparer": preparer,
+               **shard_options}
     if store.crashes(whole) < crash_limit:
         with store.attempt(whole):
             outcome = run_shard(manifest, job_dir, shard_id, llm, **options)

@@ -5,41 +5,73 @@ Started by `vlmbatch worker` (supervisor.py), one per GPU, already pinned with
 to the model loaded here before the first message is taken. The prefork pool would load
 it in a child instead, where `worker_proc_alive_timeout` (4 s) kills slow model loads in
 a restart loop, and a shard would cross a process boundary for nothing.
+
+Its configuration comes on its command line (`ProcessConfigs`: `vlmbatch worker` built it
+from its flags and `VLMBATCH_*` variables); only its share of the cores comes in its
+environment, next to `CUDA_VISIBLE_DEVICES`, from the supervisor.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
+from vlmbatch.config import EngineConfig, MediaConfig, QueueConfig, WorkerConfig, from_json, to_json
 from vlmbatch.workers import runtime
 from vlmbatch.workers.app import make_app, queue_name
 from vlmbatch.workers.store import connect
 
 
-def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_run: bool, media_io_kwargs: str) -> int:
+@dataclass(frozen=True)
+class ProcessConfigs:
+    """Everything one worker process is configured with, passed as JSON on its command line."""
+
+    engine: EngineConfig
+    media: MediaConfig
+    queue: QueueConfig
+    worker: WorkerConfig
+
+    FLAGS = {"engine": "--engine-config", "media": "--media-config", "queue": "--queue-config", "worker": "--worker-config"}
+
+    def to_args(self) -> list[str]:
+        """`--engine-config JSON ...`; the share of the cores is left out: the supervisor
+        gives each process its own through `VLMBATCH_WORKER_CPUS` (see `pinned_env`)."""
+        configs = {"engine": self.engine, "media": self.media, "queue": self.queue,
+                   "worker": replace(self.worker, worker_cpus=None)}
+        return [arg for name, flag in self.FLAGS.items() for arg in (flag, to_json(configs[name]))]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> ProcessConfigs:
+        """The configurations `to_args` wrote; what they left unset (the core share) comes from `env`."""
+        kinds = {"engine": EngineConfig, "media": MediaConfig, "queue": QueueConfig, "worker": WorkerConfig}
+        return cls(**{name: from_json(kind, getattr(args, f"{name}_config"), env) for name, kind in kinds.items()})
+
+
+def serve(model: str, broker_url: str, slot: str, dry_run: bool, configs: ProcessConfigs) -> int:
     """Run until shut down; returns Celery's exit code."""
-    from vlmbatch.job.pool import AdapterSpec, RowPreparer
-    from vlmbatch.media.video import parse_video_options, prepare_video_backend
+    from vlmbatch.job.preparer import AdapterSpec, RowPreparer
+    from vlmbatch.media.video import default_video_options, prepare_video_backend
 
     logging.basicConfig(level=logging.INFO, format=f"[{slot} %(asctime)s %(levelname)s %(name)s] %(message)s")
-    prepare_video_backend(parse_video_options(json.loads(media_io_kwargs).get("video")))
+    prepare_video_backend(default_video_options(configs.media))
+    preparer = RowPreparer(configs.worker, configs.media)  # one preprocessing pool for every shard this process runs
     llm = None
     if not dry_run:
         from vlmbatch.config import EngineConfig
         from vlmbatch.job.plan import load_llm
 
-        llm = load_llm(model, EngineConfig.from_env(os.environ, engine=engine, dtype=dtype))
-    preparer = RowPreparer()  # one preprocessing pool for every shard this process runs
+        preparer.start_fork_server()  # its imports overlap the model load
+        llm = load_llm(model, configs.engine)
     try:
         preparer.start(AdapterSpec(model) if llm is not None else None)
-        runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), runtime.new_worker_id(slot), preparer))
-        app = make_app(broker_url)
-        worker = app.Worker(
+        runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), preparer, configs.engine, configs.queue, slot))
+        app = make_app(broker_url, configs.queue)
+        celery_worker = app.Worker(
             hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",
             queues=[queue_name(model)],
             pool_cls="solo",
@@ -50,35 +82,36 @@ def serve(model: str, broker_url: str, slot: str, engine: str, dtype: str, dry_r
             without_gossip=True,
             loglevel="INFO",
         )
-        worker.start()
+        celery_worker.start()
     finally:
         preparer.close()
-    return int(worker.exitcode or 0)
+    return int(celery_worker.exitcode or 0)
 
 
-def pin_to_share() -> None:
+def pin_to_share(worker: WorkerConfig) -> None:
     """Run on the cores `vlmbatch worker` gave this process, before torch starts its thread
     pools (sized from the affinity) and the preprocessing pool forks (it inherits it)."""
-    from vlmbatch import config
-
-    cpus = config.worker_cpus()
-    allowed = (cpus or set()) & os.sched_getaffinity(0)
-    if allowed and config.pin_worker_cpus():
+    allowed = (worker.worker_cpus or set()) & os.sched_getaffinity(0)
+    if allowed and worker.pin_worker_cpus:
         os.sched_setaffinity(0, allowed)
 
 
-def main(argv: list[str] | None = None) -> None:
-    pin_to_share()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="One vlmbatch worker process (started by `vlmbatch worker`).")
     parser.add_argument("--model", required=True)
     parser.add_argument("--broker", required=True)
     parser.add_argument("--slot", default="cpu", help="GPU index this process is pinned to, or 'cpu'")
-    parser.add_argument("--engine", default="auto", help="paged, hf or auto (the worker's engine serves every job)")
-    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--dry-run", action="store_true", help="validate rows without a model (queue benchmark)")
-    parser.add_argument("--media-io-kwargs", default="{}", help="this worker's media defaults (JSON), e.g. its video decoder")
-    args = parser.parse_args(argv)
-    code = serve(args.model, args.broker, args.slot, args.engine, args.dtype, args.dry_run, args.media_io_kwargs)
+    for name, flag in ProcessConfigs.FLAGS.items():
+        parser.add_argument(flag, default="{}", help=f"this process's {name} configuration (JSON; unset options: the environment)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configs = ProcessConfigs.from_args(args, os.environ)
+    pin_to_share(configs.worker)
+    code = serve(args.model, args.broker, args.slot, args.dry_run, configs)
     # Everything that matters is already in the folder and in Redis; tearing down a loaded
     # model at interpreter exit is seconds of garbage collection, so skip it.
     logging.shutdown()

@@ -1,4 +1,4 @@
-"""What a worker process loaded at start-up, for the shard task to use.
+"""What a worker process loaded and was configured with at start-up, for the shard task.
 
 Celery's solo pool runs tasks in the process that started the worker, so the model is
 loaded once, before the first message is consumed, and every shard reuses it.
@@ -12,10 +12,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vlmbatch.config import EngineConfig, QueueConfig
+
 if TYPE_CHECKING:
     import redis
 
-    from vlmbatch.job.pool import RowPreparer
+    from vlmbatch.job.preparer import RowPreparer
 
 
 def new_worker_id(slot: str) -> str:
@@ -33,8 +35,14 @@ class WorkerRuntime:
     model: str
     llm: Any | None  # None: a dry-run worker that validates rows and generates nothing
     redis: redis.Redis
-    worker_id: str = field(default_factory=lambda: new_worker_id("cpu"))
-    preparer: RowPreparer | None = None  # the preprocessing pool every shard of this process reuses
+    preparer: RowPreparer  # the preprocessing pool every shard of this process reuses
+    engine: EngineConfig  # how `llm` runs (its GPU image decoding is every job's default)
+    queue: QueueConfig  # leases and poison-row isolation
+    slot: str = "cpu"  # the GPU this process is pinned to
+    worker_id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker_id = new_worker_id(self.slot)
 
 
 _current: WorkerRuntime | None = None

@@ -1,9 +1,11 @@
 """`vlmbatch worker`: one worker process per GPU, restarted when it dies.
 
-Each child is pinned to its GPU with `CUDA_VISIBLE_DEVICES` before it starts (CUDA reads
-it once, at initialisation), and given its own share of this process's cores
-(`VLMBATCH_WORKER_CPUS`: 8 each for two GPUs on 16 cores), which sizes its preprocessing
-pool and, unless `VLMBATCH_PIN_WORKER_CPUS=0`, is all it runs on. Children run in their
+Each child gets the configuration `vlmbatch worker` built from its flags and variables on
+its command line (`ProcessConfigs`). It is pinned to its GPU with `CUDA_VISIBLE_DEVICES`
+before it starts (CUDA reads it once, at initialisation), and given its own share of this
+process's cores (`VLMBATCH_WORKER_CPUS`: 8 each for two GPUs on 16 cores), both in its
+environment; the share sizes its preprocessing pool and, unless the worker configuration
+says not to pin (`VLMBATCH_PIN_WORKER_CPUS=0`), is all it runs on. Children run in their
 own session so a terminal's Ctrl+C reaches only the supervisor, which forwards every
 SIGTERM/SIGINT/SIGQUIT exactly once: that keeps Celery's "first Ctrl+C warm, second cold"
 meaning intact. A child that dies (OOM, `kill -9`, a poison row) is restarted after a
@@ -22,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+from vlmbatch.workers.process import ProcessConfigs
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ def cpu_shares(slots: list[str], cores: set[int] | None = None,
 
 def pinned_env(slot: str, cpus: list[int] | None = None) -> dict[str, str]:
     """This process's environment, with CUDA showing the child only its own GPU and, given
-    `cpus`, `VLMBATCH_WORKER_CPUS` naming its share of the cores (see `config.worker_cpus`)."""
+    `cpus`, `VLMBATCH_WORKER_CPUS` naming its share of the cores (`WorkerConfig.worker_cpus`)."""
     env = dict(os.environ)
     if slot != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = slot
@@ -102,22 +106,11 @@ class Child:
 class Supervisor:
     """Keeps one worker process per slot alive until a shutdown signal arrives."""
 
-    def __init__(
-        self,
-        model: str,
-        broker_url: str,
-        slots: list[str],
-        engine: str = "auto",
-        dtype: str = "auto",
-        dry_run: bool = False,
-        media_io_kwargs: str = "{}",
-    ):
+    def __init__(self, model: str, broker_url: str, slots: list[str], configs: ProcessConfigs, dry_run: bool = False):
         self.model = model
-        self.media_io_kwargs = media_io_kwargs
         self.broker_url = broker_url
         self.slots = slots
-        self.engine = engine
-        self.dtype = dtype
+        self.configs = configs
         self.dry_run = dry_run
         self.children: dict[str, Child] = {}
         self.stopping = False
@@ -125,8 +118,7 @@ class Supervisor:
 
     def command(self, slot: str) -> list[str]:
         cmd = [sys.executable, "-m", "vlmbatch.workers.process", "--model", self.model]
-        cmd += ["--broker", self.broker_url, "--slot", slot, "--engine", self.engine, "--dtype", self.dtype]
-        cmd += ["--media-io-kwargs", self.media_io_kwargs]
+        cmd += ["--broker", self.broker_url, "--slot", slot, *self.configs.to_args()]
         return cmd + (["--dry-run"] if self.dry_run else [])
 
     def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:

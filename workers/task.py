@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlmbatch import config
 from vlmbatch.io.manifest import Manifest
-from vlmbatch.job.queue import part_counts
+from vlmbatch.job.parts import part_counts
 from vlmbatch.job.shard import run_shard
 from vlmbatch.workers import runtime
 from vlmbatch.workers.lease import ShardLease
@@ -56,7 +55,7 @@ def _run_delivered(task: Any, job_dir: str, shard_id: int, retry_errors: bool, w
         store.set_shard_state(shard_id, "cancelled")
         return "cancelled"
 
-    ttl = config.queue_visibility_timeout()
+    ttl = worker.queue.visibility_timeout
     delivery_tag = (task.request.properties or {}).get("delivery_tag")
     lease = ShardLease(worker.redis, store.lease_key(shard_id), worker.worker_id, ttl, delivery_tag)
     if not lease.acquire():
@@ -136,13 +135,13 @@ def _run_leased(
             unsent[:] = [0, 0]
 
     options: dict[str, Any] = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress,
-                               "preparer": worker.preparer}
+                               "preparer": worker.preparer, "slot": worker.slot}
     try:
         if retry_errors:
             if run_shard(manifest, job_dir, shard_id, worker.llm, retry_errors=True, **options).stopped:
                 raise ShardStopped
         else:
-            run_guarded(manifest, job_dir, shard_id, worker.llm, store, config.queue_poison_crashes(), **options)
+            run_guarded(manifest, job_dir, shard_id, worker.llm, store, worker.queue.poison_crashes, **options)
     except Exception as exc:
         if not _stopped_early(exc):
             with advisory("record the failed shard"):

@@ -82,7 +82,7 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
                                           sampling=sampling, shard_size=100_000)  # fmt: skip
         manifest.extra["gpu_image_decode"] = mode
         manifest.save()
-        seconds = jobs.run_job_locally(manifest, job_dir, llm, show_progress=False, preparer=preparer)
+        seconds = jobs.run_job_locally(manifest, job_dir, llm, preparer, show_progress=False)
     table = pq.read_table(job_dir / "results")
     errors = [e for e in table.column("error").to_pylist() if e]
     if errors:
@@ -103,9 +103,9 @@ def run(shape: str, rows: int, workdir: Path, json_out: Path, preprocess_workers
     import torch
 
     from vlmbatch import job as jobs
-    from vlmbatch.job.pool import RowPreparer
-    from vlmbatch.config import EngineConfig
+    from vlmbatch.config import EngineConfig, MediaConfig, WorkerConfig
     from vlmbatch.engine.gpu_images import defers_image_decoding
+    from vlmbatch.job.preparer import RowPreparer
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("vlmbatch.job.shard").setLevel(logging.INFO)  # its "shard timing" lines
@@ -128,7 +128,7 @@ def run(shape: str, rows: int, workdir: Path, json_out: Path, preprocess_workers
         runs = report["runs"]
         runs["pre-decoded"] = pre_decoded(llm, timed, warmup_requests)
         say(f"pre-decoded: {runs['pre-decoded']}")
-        preparer = RowPreparer()
+        preparer = RowPreparer(WorkerConfig.from_env(os.environ), MediaConfig.from_env(os.environ))
         try:
             if defers_image_decoding(llm.engine, "auto"):
                 runs["jpeg-gpu"] = job_run(llm, model, dataset, warmup, workdir / "jobs", "on", preparer)

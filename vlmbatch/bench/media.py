@@ -25,7 +25,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from vlmbatch.job.pool import ProcessPool, Task
+from vlmbatch.job.preparer import PRELOAD, use_one_thread
+from vlmbatch.job.process_pool import ProcessPool, Task
 from vlmbatch.media.gpu_image import GPU_MAX_ABS_DIFF, GPU_MEAN_ABS_DIFF, preprocess_images
 
 
@@ -88,6 +89,11 @@ def _cpu_preprocessor(side: int) -> Callable[[Task], torch.Tensor]:
     return preprocess
 
 
+def _pool_preprocessor(side: int) -> Callable[[Task], torch.Tensor]:
+    use_one_thread()  # as the job's pool workers do
+    return _cpu_preprocessor(side)
+
+
 def _cycle(jpegs: list[bytes], count: int) -> Iterator[Task]:
     return ((index, jpegs[index % len(jpegs)]) for index in range(count))
 
@@ -111,7 +117,7 @@ def _no_failure(task: Task, error_type: str, message: str) -> None:
 
 
 def time_cpu_pool(jpegs: list[bytes], side: int, count: int, workers: int) -> PathResult:
-    with ProcessPool(_cpu_preprocessor, side, _no_failure, workers, max_pending=4 * workers) as pool:
+    with ProcessPool(_pool_preprocessor, side, _no_failure, workers, max_pending=4 * workers, preload=PRELOAD) as pool:
         for _ in pool.imap_unordered(_cycle(jpegs, 2 * workers)):  # every worker loaded and warm
             pass
         start = time.perf_counter()
@@ -240,15 +246,16 @@ def _qwen_prompt_parquet(source: Any, target: Any) -> Any:
 def pool_memory(rows: int, workers: int | None = None, workdir: str | None = None) -> dict[str, Any]:
     """RSS of this process (the consumer that holds the prepared rows) while `rows` rows of a
     generated Parquet file (64x64 PNGs, raw Qwen prompts, the tiny Qwen2.5-VL processor) go
-    through `prepare_rows_parallel`: sampled every 500 rows, so a flat maximum across row
+    through a `RowPreparer`: sampled every 500 rows, so a flat maximum across row
     counts means the pool does not accumulate rows.
     """
     import tempfile
 
+    from vlmbatch.config import MediaConfig, WorkerConfig
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.readers import open_dataset
-    from vlmbatch.job.pool import AdapterSpec, default_num_workers, prepare_rows_parallel
+    from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer
     from vlmbatch.testing.data import write_large_parquet
     from vlmbatch.testing.tiny import make_tiny_model
 
@@ -260,15 +267,16 @@ def pool_memory(rows: int, workers: int | None = None, workdir: str | None = Non
     manifest = Manifest.for_dataset(reader, output_dir=folder / "out", model=str(model), engine="hf",
                                     sampling={"max_tokens": 4}, shard_size=rows)  # fmt: skip
     source = (row for batch in reader.iter_rows() for row in batch)
-    workers = default_num_workers() if workers is None else workers
+    preparer = RowPreparer(WorkerConfig(preprocess_workers=workers), MediaConfig())
+    workers = preparer.num_workers
     rss_before, rss_max, failed = _rss_mb(), 0, 0
     start = time.perf_counter()
-    prepared = prepare_rows_parallel(source, manifest, AdapterSpec(str(model)), SamplingParams(max_tokens=4),
-                                     num_workers=workers)  # fmt: skip
-    for count, item in enumerate(prepared, start=1):
-        failed += item.error is not None
-        if count % 500 == 0:
-            rss_max = max(rss_max, _rss_mb())
+    preparation = RowPreparation.for_job(manifest, AdapterSpec(str(model)), SamplingParams(max_tokens=4), MediaConfig())
+    with preparer:
+        for count, item in enumerate(preparer.prepare(source, preparation), start=1):
+            failed += item.error is not None
+            if count % 500 == 0:
+                rss_max = max(rss_max, _rss_mb())
     seconds = time.perf_counter() - start
     return {
         "rows": rows,

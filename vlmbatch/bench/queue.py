@@ -28,16 +28,20 @@ def _dataset(path: Path, rows: int) -> Path:
     return path
 
 
-def _in_process(dataset: Path, model: str, output: Path, shard_size: int) -> float:
+def _in_process(dataset: Path, model: str, output: Path, shard_size: int, env: dict[str, str]) -> float:
     from vlmbatch import job as jobs
+    from vlmbatch.config import MediaConfig, WorkerConfig
+    from vlmbatch.job.preparer import RowPreparer
 
     manifest, job_dir = jobs.plan_job(dataset, model, output, shard_size=shard_size)
-    return manifest.num_rows / jobs.run_job_locally(manifest, job_dir, None, show_progress=False)
+    with RowPreparer(WorkerConfig.from_env(env), MediaConfig.from_env(env)) as preparer:
+        return manifest.num_rows / jobs.run_job_locally(manifest, job_dir, None, preparer, show_progress=False)
 
 
 def _through_queue(dataset: Path, model: str, output: Path, shard_size: int, broker: str, workers: list[Any]) -> dict[str, Any]:
     from vlmbatch import job as jobs
-    from vlmbatch.job.queue import committed_shards, enqueue_job
+    from vlmbatch.job.parts import committed_shards
+    from vlmbatch.job.queue import enqueue_job
     from vlmbatch.workers.local import wait_until
 
     manifest, job_dir = jobs.plan_job(dataset, model, output, shard_size=shard_size, broker=broker)
@@ -107,7 +111,7 @@ def run(rows: int, shard_size: int, workers: int, broker: str | None, json_out: 
         started = [WorkerCommand(model, broker, root / f"worker-{i}.log", env, dry_run=True) for i in range(workers)]
         try:
             wait_until(lambda: all(w.ready_count() for w in started), 300, "the workers to start")
-            local_rate = _in_process(dataset, model, root / "out", shard_size)
+            local_rate = _in_process(dataset, model, root / "out", shard_size, env)
             queued = _through_queue(dataset, model, root / "out", shard_size, broker, started)
             recovery = _recovery_seconds(dataset, model, root / "out", shard_size * 4, broker, started)
         finally:

@@ -218,7 +218,8 @@ def run_job(dataset: Path, model: Path, broker: str, output: Path, shard_size: i
     import pyarrow.parquet as pq
 
     from vlmbatch.io.manifest import Manifest, results_dir
-    from vlmbatch.job.queue import committed_shards, job_status
+    from vlmbatch.job.parts import committed_shards
+    from vlmbatch.job.queue import job_status
 
     cmd = VLMBATCH + ["submit", str(dataset), "--model", str(model), "--broker", broker, "--output", str(output),
                       "--shard-size", str(shard_size), "--max-tokens", str(W1_OUTPUT_TOKENS)]

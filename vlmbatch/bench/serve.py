@@ -51,7 +51,7 @@ def run(model: str | None, shape: str | None, url: str | None, engine: str, api_
     folder) or use the one at `url`; measure each concurrency level in `levels`."""
     from vlmbatch.bench.loadgen import run_load
     from vlmbatch.bench.shapes import resolve_shape, save_random_checkpoint
-    from vlmbatch.server.launcher import ServerProcess
+    from vlmbatch.testing.server_process import ServerProcess
 
     if shape is not None:
         model = str(save_random_checkpoint(resolve_shape(shape), output.parent))

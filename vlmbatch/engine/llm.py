@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vlmbatch.config import EngineConfig
+from vlmbatch.config import EngineConfig, MediaConfig
 from vlmbatch.engine.factory import create_engine
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
@@ -60,6 +60,7 @@ class LLM:
         *,
         chat_template: str | None = None,
         media_io_kwargs: dict[str, Any] | None = None,
+        media_config: MediaConfig | None = None,
         **engine_options: Any,
     ):
         from vlmbatch.media.loader import MediaLoader
@@ -71,7 +72,7 @@ class LLM:
         self.config = config
         self.model_name = str(model)
         # chat() loads image_url/video_url parts like a batch job would: local paths allowed.
-        self.media = MediaLoader(media_io_kwargs=media_io_kwargs)
+        self.media = MediaLoader(media_config or MediaConfig.from_env(os.environ), media_io_kwargs=media_io_kwargs)
         self.adapter = load_adapter(self.model_name, chat_template=chat_template, trust_remote_code=config.trust_remote_code)
         self.engine = create_engine(self.adapter, config)
         self.tokenizer = self.adapter.processor.tokenizer

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.config import MediaConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.job.prepare import media_loader_for, prepare_row
 
@@ -39,22 +40,25 @@ def dry_run(
     media_io_kwargs: dict[str, Any] | None = None,
     chat_template: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    media: MediaConfig | None = None,
 ) -> DryRunReport:
-    """Validate every row with the model's processor (no weights are loaded)."""
+    """Validate every row with the model's processor (no weights are loaded), loading media
+    as a process configured with `media` would (default: the built-in configuration)."""
     from vlmbatch.io.readers import open_dataset
     from vlmbatch.job.plan import check_media_io_kwargs
     from vlmbatch.families.registry import load_adapter
 
     started = time.perf_counter()
     reader = open_dataset(dataset, columns, storage_options=storage_options)
-    check_media_io_kwargs(media_io_kwargs or {})
+    media = media or MediaConfig()
+    check_media_io_kwargs(media_io_kwargs or {}, media)
     adapter = load_adapter(model, chat_template=chat_template)
     defaults = sampling or SamplingParams()
-    media = media_loader_for(dataset, media_io_kwargs)
+    loader = media_loader_for(dataset, media_io_kwargs, media)
     report = DryRunReport(dataset=str(dataset), startup_s=time.perf_counter() - started)
     for batch in reader.iter_rows():
         for row_id, raw in batch:
-            item = prepare_row(row_id, raw, reader.columns, defaults, adapter, media, check_only=True)
+            item = prepare_row(row_id, raw, reader.columns, defaults, adapter, loader, check_only=True)
             report.rows += 1
             if item.error is not None:
                 report.rows_failed += 1

@@ -9,13 +9,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from vlmbatch.job.pool import RowPreparer
+from vlmbatch.job.parts import pending_shards
+from vlmbatch.job.preparer import RowPreparer
 from vlmbatch.job.shard import run_shard
-
-
-def pending_shards(manifest: Any, job_dir: Path) -> list[int]:
-    """Shards without a committed part: the manifest plus the parts are the source of truth."""
-    return [s.shard_id for s in manifest.shards if not manifest.part_path(s.shard_id).exists()]
 
 
 def job_progress(console: Console | None = None) -> Progress:
@@ -32,11 +28,11 @@ def job_progress(console: Console | None = None) -> Progress:
     )
 
 
-def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bool = True, console: Console | None = None,
-                    preparer: RowPreparer | None = None) -> float:
+def run_job_locally(manifest: Any, job_dir: Path, llm: Any, preparer: RowPreparer, *,
+                    show_progress: bool = True, console: Console | None = None) -> float:
     """Run the job's pending shards one after another, with a rich progress bar; return
-    seconds taken. The preprocessing pool is `preparer` (a caller that runs several jobs on
-    one engine keeps its pool warm, as a worker does) or one started for this job."""
+    seconds taken. `preparer` is the caller's preprocessing pool, for all the job's shards
+    (a caller that runs several jobs on one engine keeps it warm, as a worker does)."""
     started = time.perf_counter()
     todo = pending_shards(manifest, job_dir)
     done_rows = sum(s.num_rows or 0 for s in manifest.shards if s.shard_id not in set(todo))  # None: not counted yet
@@ -51,14 +47,8 @@ def run_job_locally(manifest: Any, job_dir: Path, llm: Any, *, show_progress: bo
             failed += bad
             progress.update(task, advance=ok + bad, failed=failed, rate=_rate(progress, task))
 
-        own = preparer is None
-        preparer = RowPreparer() if own else preparer  # one preprocessing pool for all the job's shards
-        try:
-            for shard_id in todo:
-                run_shard(manifest, job_dir, shard_id, llm, on_progress=advance, preparer=preparer)
-        finally:
-            if own:
-                preparer.close()
+        for shard_id in todo:
+            run_shard(manifest, job_dir, shard_id, llm, preparer=preparer, on_progress=advance)
     return time.perf_counter() - started
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.config import EngineConfig, MediaConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.config import EngineConfig
 from vlmbatch.errors import JobError
@@ -24,16 +25,17 @@ def check_model(model: str) -> str:
     return model_family(model).name
 
 
-def check_media_io_kwargs(media_io_kwargs: dict[str, Any]) -> None:
-    """Job-level media options are validated once, at submit (a typo must not fail every row)."""
+def check_media_io_kwargs(media_io_kwargs: dict[str, Any], media: MediaConfig) -> None:
+    """Job-level media options are validated once, at submit (a typo must not fail every
+    row), over the defaults of the submitting process's `media` configuration."""
     unknown = set(media_io_kwargs) - {"image", "video"}
     if unknown:
         raise JobError(f"--media-io-kwargs: unknown media kind(s) {sorted(unknown)}; expected 'image' and/or 'video'")
     if "video" in media_io_kwargs:
-        from vlmbatch.media.video.options import parse_video_options
+        from vlmbatch.media.video.options import default_video_options, parse_video_options
 
         try:
-            parse_video_options(media_io_kwargs["video"])
+            parse_video_options(media_io_kwargs["video"], default_video_options(media))
         except ValueError as exc:
             raise JobError(f"--media-io-kwargs: {exc}") from exc
 
@@ -85,10 +87,12 @@ def plan_job(
     chat_template: str | None = None,
     storage_options: dict[str, Any] | None = None,
     structured_output: StructuredOutput | None = None,
+    media: MediaConfig | None = None,
 ) -> tuple[Any, Any]:
     """Validate the job and write `OUTPUT/JOB/manifest.json`; nothing runs yet. DATASET and
     OUTPUT may be object-storage URLs (`storage_options` apply to both); the job folder is
-    then an `ObjectPath`.
+    then an `ObjectPath`. Its media options are checked over `media` (the submitting
+    process's; default: the built-in one).
 
     `structured_output` is the job's `StructuredOutput` (from `structured_output_option`); a
     dataset with a `response_format` or `guided_*` column may set one per row, which fixes
@@ -103,7 +107,7 @@ def plan_job(
         raise JobError("object-storage datasets and outputs run in-process for now: submit them without a broker")
     reader = open_dataset(dataset, columns, storage_options=storage_options)
     check_model(model)
-    check_media_io_kwargs(media_io_kwargs or {})
+    check_media_io_kwargs(media_io_kwargs or {}, media or MediaConfig())
     manifest = Manifest.for_dataset(
         reader,
         output_dir=output,
@@ -130,11 +134,9 @@ def plan_job(
 
 
 def load_llm(model: str, config: EngineConfig, chat_template: str | None = None) -> Any:
-    """Load the model once (the expensive part of a worker's start-up). The preprocessing
-    pool's fork server starts first, so its imports overlap the model load."""
+    """Load the model once (the expensive part of a worker's start-up; start the
+    preprocessing pool's fork server first, `RowPreparer.start_fork_server`, so its
+    imports overlap the model load)."""
     from vlmbatch.engine.llm import LLM
-    from vlmbatch.job.pool import default_num_workers, start_fork_server
 
-    if default_num_workers() > 0:
-        start_fork_server()
     return LLM(model, config, chat_template=chat_template)

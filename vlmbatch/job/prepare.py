@@ -8,11 +8,11 @@ replace without the shard runner noticing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.config import MediaConfig
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import RowError
 from vlmbatch.job.rows import RowRequest, parse_row
@@ -36,9 +36,9 @@ class PreparedRow:
         return self.request.sampling
 
 
-def media_loader_for(dataset: str | Path, media_io_kwargs: dict[str, Any] | None) -> MediaLoader:
+def media_loader_for(dataset: str | Path, media_io_kwargs: dict[str, Any] | None, config: MediaConfig) -> MediaLoader:
     """Media options of a job: relative paths resolve next to the dataset file."""
-    return MediaLoader(base_dir=Path(dataset).resolve().parent, media_io_kwargs=media_io_kwargs or {})
+    return MediaLoader(config, base_dir=Path(dataset).resolve().parent, media_io_kwargs=media_io_kwargs or {})
 
 
 def prepare_row(
@@ -134,16 +134,3 @@ def _with_column_media(messages: list[dict[str, Any]], num_images: int, num_vide
             message["content"] = parts + text_parts
             break
     return out
-
-
-def prepare_rows(
-    source: Iterable[tuple[int, Any]],
-    manifest: Any,
-    adapter: ModelAdapter | None,
-    defaults: SamplingParams,
-    defer_jpegs: bool = False,
-) -> Iterator[PreparedRow]:
-    """Prepare rows in order, in this thread."""
-    media = media_loader_for(manifest.dataset, manifest.media_io_kwargs)
-    for row_id, raw in source:
-        yield prepare_row(row_id, raw, manifest.columns, defaults, adapter, media, defer_jpegs=defer_jpegs)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmbatch.io.manifest import Manifest
+from vlmbatch.job.parts import committed_shards, part_counts, pending_shards
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -43,23 +44,6 @@ class JobStatus:
         return self.rows_ok + self.rows_failed
 
 
-def committed_shards(manifest: Manifest) -> set[int]:
-    """Shards whose part is in `results/`."""
-    from vlmbatch.job.local import pending_shards
-
-    return {s.shard_id for s in manifest.shards} - set(pending_shards(manifest, manifest.job_dir))
-
-
-def part_counts(path: Path) -> tuple[int, int]:
-    """(ok, failed) rows of a committed part, from its `error_type` column alone."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    errors = pq.read_table(path, columns=["error_type"]).column("error_type")
-    failed = len(errors) - pc.count(errors, mode="only_null").as_py()
-    return len(errors) - failed, failed
-
-
 def _store(manifest: Manifest, broker_url: str) -> JobStore:
     from vlmbatch.workers.store import JobStore, connect
 
@@ -67,9 +51,10 @@ def _store(manifest: Manifest, broker_url: str) -> JobStore:
 
 
 def _queue_shards(manifest: Manifest, broker_url: str, shard_ids: list[int], retry_errors: bool = False) -> None:
+    from vlmbatch.config import QueueConfig
     from vlmbatch.workers.app import SHARD_TASK, make_app, queue_name
 
-    app = make_app(broker_url)
+    app = make_app(broker_url, QueueConfig())  # it only sends: the delivery settings are the workers'
     queue = queue_name(manifest.model)
     with app.producer_or_acquire() as producer:
         for shard_id in shard_ids:
@@ -78,7 +63,6 @@ def _queue_shards(manifest: Manifest, broker_url: str, shard_ids: list[int], ret
 
 def enqueue_job(manifest: Manifest, job_dir: Path, broker_url: str) -> int:
     """Queue one task per shard without a committed part on the model's queue; returns how many."""
-    from vlmbatch.job.local import pending_shards
     from vlmbatch.workers.app import queue_name
 
     store = _store(manifest, broker_url)
@@ -162,7 +146,6 @@ def cancel_job(job_dir: Path, broker_url: str) -> None:
 def resume_job(job_dir: Path, broker_url: str, retry_errors: bool = False) -> int:
     """Re-queue every shard without a committed part (and, with `retry_errors`, every part
     holding error rows, to re-run just those rows); rebuilds Redis state from the folder."""
-    from vlmbatch.job.local import pending_shards
     from vlmbatch.workers.app import queue_name
 
     manifest = Manifest.load(job_dir)

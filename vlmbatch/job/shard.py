@@ -24,12 +24,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from vlmbatch import config
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
-from vlmbatch.job.pool import AdapterSpec, RowPreparer, prepare_rows_parallel
 from vlmbatch.engine.gpu_images import defers_image_decoding
+from vlmbatch.job.preparer import AdapterSpec, RowPreparation, RowPreparer
 from vlmbatch.job.prepare import PreparedRow
 from vlmbatch.job.rows import RowRequest
 
@@ -62,11 +61,11 @@ class ShardTiming:
     pool_starts: int = 0  # pools started for this shard: 1 for a process's first, then 0 (reused)
     worker_restarts: int = 0  # pool workers replaced during this shard (crashes, timeouts, abandons)
 
-    def line(self, job_id: str, shard_id: int, rows: int) -> str:
-        """One parseable log line (`key=value` pairs)."""
+    def line(self, job_id: str, shard_id: int, rows: int, slot: str = "-") -> str:
+        """One parseable log line (`key=value` pairs); `slot` is the worker process's GPU."""
         rate = rows / self.seconds if self.seconds > 0 else 0.0
         return (f"shard timing: job={job_id} shard={shard_id} pid={os.getpid()} "
-                f"gpu={os.environ.get('CUDA_VISIBLE_DEVICES', '-')} rows={rows} seconds={self.seconds:.3f} "
+                f"gpu={slot} rows={rows} seconds={self.seconds:.3f} "
                 f"rows_per_s={rate:.2f} idle_for_rows={self.idle_for_rows:.3f} engine={self.engine:.3f} "
                 f"pool_workers={self.pool_workers} pool_starts={self.pool_starts} worker_restarts={self.worker_restarts}")
 
@@ -142,6 +141,7 @@ def run_shard(
     shard_id: int,
     llm: Any | None,
     *,
+    preparer: RowPreparer,
     attempt: int = 1,
     should_stop: Callable[[], bool] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -149,7 +149,7 @@ def run_shard(
     row_range: tuple[int, int] | None = None,
     commit: bool = True,
     max_inflight: int | None = None,
-    preparer: RowPreparer | None = None,
+    slot: str = "-",
 ) -> ShardOutcome:
     """Generate every row of shard `shard_id` and (if `commit`) write its part atomically.
 
@@ -157,13 +157,16 @@ def run_shard(
     `manifest`'s model is not loaded) without generating: the queue benchmark uses it.
     `retry_errors` re-runs only the rows of the committed part that ended in an error.
     `row_range` restricts the run to a sub-range (poison-shard splitting).
-    `preparer` is the caller's preprocessing pool, kept across shards (else one per call).
+    `preparer` is the caller's preprocessing pool, kept across shards, built from the
+    process's worker and media configuration. JPEGs go to the engine undecoded as its
+    `EngineConfig.gpu_image_decode` says, unless the job says otherwise (`submit
+    --gpu-image-decode`). `slot` names the process's GPU in the shard's timing line.
     """
     from vlmbatch.io.results import read_part
     from vlmbatch.io.writer import write_part
 
     started = time.monotonic()
-    starts, restarts = (preparer.starts, preparer.restarts) if preparer is not None else (0, 0)
+    starts, restarts = preparer.starts, preparer.restarts
     plan = manifest.shards[shard_id]
     factory = ResultRowFactory(manifest, shard_id, attempt)
     outcome = ShardOutcome(shard_id=shard_id)
@@ -180,8 +183,9 @@ def run_shard(
     adapter = llm.adapter if llm is not None else None
     spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
     defer = llm is not None and defers_image_decoding(llm.engine, image_decode_mode(manifest, llm.engine))
-    prepared = prepare_rows_parallel(source, manifest, spec, defaults, adapter=adapter, defer_jpegs=defer,
-                                     pixel_dtype=pixel_dtype(llm), preparer=preparer)
+    preparation = RowPreparation.for_job(manifest, spec, defaults, preparer.media, pixel_dtype=pixel_dtype(llm),
+                                         defer_jpegs=defer)
+    prepared = preparer.prepare(source, preparation, adapter)
 
     def record(row: dict[str, Any], ok: bool) -> None:
         outcome.rows.append(row)
@@ -198,13 +202,13 @@ def run_shard(
         if llm is None:
             finished = _validate_only(prepared, factory, record, should_stop)
         else:
-            finished = _generate(llm, prepared, factory, record, should_stop, max_inflight, outcome.timing)
-    outcome.timing.seconds = time.monotonic() - started
-    if preparer is not None:
-        timing = outcome.timing
-        timing.pool_workers = preparer.num_workers
-        timing.pool_starts, timing.worker_restarts = preparer.starts - starts, preparer.restarts - restarts
-    log.info(outcome.timing.line(manifest.job_id, shard_id, outcome.rows_ok + outcome.rows_failed))
+            budget = GpuMediaBudget(preparer.worker.gpu_media_budget_bytes)
+            finished = _generate(llm, prepared, factory, record, should_stop, max_inflight, budget, outcome.timing)
+    timing = outcome.timing
+    timing.seconds = time.monotonic() - started
+    timing.pool_workers = preparer.num_workers
+    timing.pool_starts, timing.worker_restarts = preparer.starts - starts, preparer.restarts - restarts
+    log.info(timing.line(manifest.job_id, shard_id, outcome.rows_ok + outcome.rows_failed, slot))
     if not finished:
         outcome.stopped = True
         return outcome
@@ -270,6 +274,7 @@ def _generate(
     record: Callable[[dict[str, Any], bool], None],
     should_stop: Callable[[], bool] | None,
     max_inflight: int | None,
+    budget: GpuMediaBudget,
     timing: ShardTiming,
 ) -> bool:
     """Keep the engine full from `prepared`; return False if stopped before the end.
@@ -278,10 +283,9 @@ def _generate(
     the next row would idle the engine whenever preprocessing falls behind, e.g. at the
     start of a shard, until `limit` rows are prepared. Rows whose media already sit on the
     GPU (GPU video decoders) are also held back while those in flight hold more than the
-    GPU media budget (`GpuMediaBudget`)."""
+    GPU media budget (`budget`)."""
     engine = llm.engine
     limit = max_inflight or getattr(llm, "max_inflight", 256)
-    budget = GpuMediaBudget(config.gpu_media_budget_bytes())
     inflight: dict[str, PreparedRow] = {}
     held_back: PreparedRow | None = None  # taken from `prepared`, waiting for the budget
     exhausted = False

@@ -18,11 +18,11 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
-from vlmbatch import config
+from vlmbatch.config import MediaConfig
 from vlmbatch.errors import ErrorType, RowError
 
 IMAGE_MAX_BYTES = 64 * 1024**2
@@ -33,11 +33,13 @@ REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 METADATA_ADDRESSES = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+DEFAULTS = MediaConfig()  # without a configuration: the documented defaults, not the environment
 
 
 @dataclass(frozen=True)
 class FetchPolicy:
-    """Limits for one download. The defaults suit images; `for_videos()` suits videos.
+    """Limits for one download. The defaults suit images; `for_images(config)` and
+    `for_videos(config)` take the timeouts of a process's `MediaConfig`.
 
     `timeout` bounds the whole download (retries and redirects included), not each read,
     so a server dripping bytes cannot hold a row forever. `allowed_domains` matches a
@@ -45,7 +47,7 @@ class FetchPolicy:
     guard, e.g. an internal CDN the server may use.
     """
 
-    timeout: float = field(default_factory=config.image_fetch_timeout)
+    timeout: float = DEFAULTS.image_fetch_timeout
     max_bytes: int = IMAGE_MAX_BYTES
     retries: int = 2
     allowed_domains: tuple[str, ...] | None = None
@@ -60,8 +62,13 @@ class FetchPolicy:
         object.__setattr__(self, "allowed_networks", tuple(self.allowed_networks))
 
     @classmethod
-    def for_videos(cls, **overrides: object) -> "FetchPolicy":
-        settings: dict = {"timeout": config.video_fetch_timeout(), "max_bytes": VIDEO_MAX_BYTES, **overrides}
+    def for_images(cls, config: MediaConfig = DEFAULTS, **overrides: object) -> "FetchPolicy":
+        settings: dict = {"timeout": config.image_fetch_timeout, **overrides}
+        return cls(**settings)
+
+    @classmethod
+    def for_videos(cls, config: MediaConfig = DEFAULTS, **overrides: object) -> "FetchPolicy":
+        settings: dict = {"timeout": config.video_fetch_timeout, "max_bytes": VIDEO_MAX_BYTES, **overrides}
         return cls(**settings)
 
 

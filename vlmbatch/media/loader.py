@@ -1,4 +1,5 @@
-"""One place that turns media settings (flags, env, per-row overrides) into loaded media.
+"""One place that turns media settings (a process's `MediaConfig`, a job's flags, per-row
+overrides) into loaded media.
 
 Batch jobs, `LLM.chat` and the server differ only in their settings (where relative
 paths resolve, which local folder and which hosts are allowed), so they all load
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.config import MediaConfig
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.fetch import FetchPolicy
 from vlmbatch.media.image import ImageSize, load_image, probe_image
@@ -22,13 +24,16 @@ IMAGE_OPTIONS = {"max_pixels"}
 class MediaLoader:
     """Loads images and videos under one set of rules.
 
-    `media_io_kwargs` is `{"image": {...}, "video": {...}}` as given by
-    `--media-io-kwargs`; it is validated once here (job-level), while a row's or
-    request's own `media_io_kwargs` becomes a `RowError` when wrong.
+    `config` is the process's (fetch timeouts, default video decoder and threads, a
+    worker's own video options); `media_io_kwargs` is `{"image": {...}, "video": {...}}`
+    as given by a job's or server's `--media-io-kwargs`, on top of it. It is validated
+    once here (job-level), while a row's or request's own `media_io_kwargs` becomes a
+    `RowError` when wrong.
     """
 
     def __init__(
         self,
+        config: MediaConfig,
         base_dir: str | Path | None = None,
         media_io_kwargs: dict[str, Any] | None = None,
         *,
@@ -40,7 +45,7 @@ class MediaLoader:
         max_bytes: int | None = None,
         max_pixels: int | None = None,
     ):
-        from vlmbatch.media.video import parse_video_options
+        from vlmbatch.media.video import default_video_options, parse_video_options
 
         media_io_kwargs = media_io_kwargs or {}
         image_options = dict(media_io_kwargs.get("image") or {})
@@ -55,15 +60,15 @@ class MediaLoader:
             base_dir=base_dir,
             allowed_local_path=allowed_local_path,
             allow_local_files=allow_local_files,
-            fetch=FetchPolicy(**fetch),
+            fetch=FetchPolicy.for_images(config, **fetch),
             max_pixels=max_pixels or int(image_options.get("max_pixels", DEFAULT_MAX_PIXELS)),
         )
-        self.video_options = parse_video_options(media_io_kwargs.get("video"))
+        self.video_options = parse_video_options(media_io_kwargs.get("video"), default_video_options(config))
         self.video_context = MediaContext(
             base_dir=base_dir,
             allowed_local_path=allowed_local_path,
             allow_local_files=allow_local_files,
-            fetch=FetchPolicy.for_videos(**fetch),
+            fetch=FetchPolicy.for_videos(config, **fetch),
         )
 
     def image(self, ref: Any, param: str = "image") -> Any:

@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
-from vlmbatch import config
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.image import load_image
 from vlmbatch.media.loader import MediaLoader
@@ -52,6 +51,7 @@ class ServerMedia:
             raise ValueError(f"--media-io-kwargs: unknown media kind(s) {sorted(unknown)}; only 'video' takes options")
         local = settings.allowed_local_media_path
         self._media = MediaLoader(
+            settings.media,
             media_io_kwargs=settings.media_io_kwargs,
             allowed_local_path=local,
             allow_local_files=local is not None,
@@ -61,7 +61,7 @@ class ServerMedia:
             max_bytes=settings.max_media_bytes,
             max_pixels=settings.max_image_pixels,
         )
-        self._pool = ThreadPoolExecutor(config.media_loading_thread_count(), thread_name_prefix="vlmbatch-media")
+        self._pool = ThreadPoolExecutor(settings.media.media_loading_thread_count, thread_name_prefix="vlmbatch-media")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.config import MediaConfig
+
 DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 4, "video": 1}
 DEFAULT_MAX_MEDIA_BYTES = 64 * 1024 * 1024  # one download (a short video fits)
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # about 8K x 5K; larger headers are refused before decoding
@@ -27,6 +29,7 @@ class ServerSettings:
     allowed_media_networks: tuple[str, ...] = ()  # CIDRs exempt from the private-address guard
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    media: MediaConfig = field(default_factory=MediaConfig)  # fetch timeouts, decoder defaults, loading threads
 
     @property
     def model_id(self) -> str:

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 from typing import Any, NamedTuple
 
+from vlmbatch.config import MediaConfig
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.types import VideoFrames
 from vlmbatch.media.video.base import VideoBackend
@@ -19,7 +20,6 @@ from vlmbatch.media.video.options import (
     default_video_options,
     override_video_options,
     parse_video_options,
-    set_process_video_defaults,
 )
 from vlmbatch.media.video.resize import resize_frames
 from vlmbatch.media.video.sampling import QWEN2_5_VL, FrameConvention, plan_frames
@@ -64,12 +64,12 @@ _instances: dict[str, VideoBackend] = {}
 GPU_BACKENDS = frozenset({"pynvvideocodec", "deepstream"})
 
 
-def decodes_on_gpu(video_kwargs: Any) -> bool:
-    """Whether a job's videos (its `media_io_kwargs["video"]` over this process's defaults)
-    come out of the decoder on the GPU; options that do not parse say False, the job's
-    own checks report them."""
+def decodes_on_gpu(video_kwargs: Any, media: MediaConfig) -> bool:
+    """Whether a job's videos (its `media_io_kwargs["video"]` over the defaults of a process
+    configured with `media`) come out of the decoder on the GPU; options that do not parse
+    say False, the job's own checks report them."""
     try:
-        return parse_video_options(video_kwargs).backend in GPU_BACKENDS
+        return parse_video_options(video_kwargs, default_video_options(media)).backend in GPU_BACKENDS
     except ValueError:
         return False
 
@@ -86,13 +86,11 @@ def ensure_backend_available(name: str) -> None:
 
 
 def prepare_video_backend(options: VideoOptions) -> None:
-    """Call at worker / server start-up with the flag options: a missing decoder
-    library stops the command, and GPU decoder sessions are reserved with the
-    start-up values (a request asking for another `hw_decoders` is then refused); the
-    options become this process's defaults, under each job's and request's own."""
+    """Call at worker / server start-up with the process's options: a missing decoder
+    library stops the command, and GPU decoder sessions are reserved with the start-up
+    values (a request asking for another `hw_decoders` is then refused)."""
     ensure_backend_available(options.backend)
     get_backend(options.backend).reserve(options)
-    set_process_video_defaults(options)
 
 
 def get_backend(name: str) -> VideoBackend:
@@ -110,12 +108,13 @@ def load_video(
     ctx: MediaContext | None = None,
     convention: FrameConvention = QWEN2_5_VL,
 ) -> VideoFrames:
-    """Decode the frames the sampler picks from the video `ref` points to.
+    """Decode the frames the sampler picks from the video `ref` points to (`options` and
+    `ctx` default to the built-in ones: a process's come from its `MediaLoader`).
 
     Raises `RowError`: MEDIA_NOT_FOUND / MEDIA_FORBIDDEN for bad paths, fetch
     errors for URLs, MEDIA_DECODE for files with no decodable video stream.
     """
-    options = options or default_video_options()
+    options = options or VideoOptions()
     source = resolve_media(ref, ctx or MediaContext(fetch=FetchPolicy.for_videos()), "video", "video")
     backend = get_backend(options.backend)
     index = backend.probe(source)

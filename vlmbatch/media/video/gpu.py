@@ -109,7 +109,7 @@ def display_rotation(source: Any) -> int:
     """
     import cv2
 
-    from vlmbatch.media.video.opencv_backend import open_capture
+    from vlmbatch.media.video.opencv_capture import open_capture
 
     with open_capture(source) as capture:
         clockwise = int(capture.get(cv2.CAP_PROP_ORIENTATION_META))

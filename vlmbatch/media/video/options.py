@@ -1,9 +1,11 @@
 """`media_io_kwargs["video"]`: parsing and validation of the video options.
 
-Options arrive twice: once from flags (`--media-io-kwargs` on submit/worker/serve,
-a job-level mistake: `ValueError` at start-up) and then per row or request as an
-override (a row-level mistake: `RowError(INVALID_ROW)`, the job goes on). Both
-go through `parse_video_options` so the rules live in one place.
+Options arrive in layers: a process's defaults (its `MediaConfig`: the
+`VLMBATCH_VIDEO_LOADER_BACKEND` / thread-count variables, under `vlmbatch worker`'s own
+`--media-io-kwargs`), then a job's or server's flags (`--media-io-kwargs`, a job-level
+mistake: `ValueError` at start-up), then per row or request an override (a row-level
+mistake: `RowError(INVALID_ROW)`, the job goes on). All go through `parse_video_options`
+so the rules live in one place.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from vlmbatch import config
+from vlmbatch.config import MediaConfig
 from vlmbatch.errors import ErrorType, RowError
 
 BACKENDS = ("opencv", "pyav", "torchcodec", "pynvvideocodec", "deepstream")
@@ -27,10 +29,6 @@ BACKEND_OPTIONS = {
 }
 SEEK_MODES = ("exact", "approximate")
 POOL_SIZE_RANGE = (1, 16)
-
-
-def _default_pool_size() -> int:
-    return clamp_pool_size(config.media_loading_thread_count())
 
 
 def clamp_pool_size(value: int) -> int:
@@ -65,21 +63,14 @@ class VideoOptions:
 _KNOWN = {f.name for f in fields(VideoOptions)}
 
 
-_process_defaults: VideoOptions | None = None
-
-
-def default_video_options() -> VideoOptions:
-    """This process's defaults: those a worker or server fixed at start-up from its flags
-    (`set_process_video_defaults`), else the environment (`VLMBATCH_VIDEO_LOADER_BACKEND`,
-    thread count). A job's and a row's own options still apply on top."""
-    if _process_defaults is not None:
-        return _process_defaults
-    return VideoOptions(backend=config.video_loader_backend(), pool_size=_default_pool_size())
-
-
-def set_process_video_defaults(options: VideoOptions) -> None:
-    global _process_defaults
-    _process_defaults = options
+def default_video_options(media: MediaConfig) -> VideoOptions:
+    """A process's defaults, from its `MediaConfig`: the default backend and thread count,
+    under its own `video_options` (a worker's `--media-io-kwargs`). A job's and a row's own
+    options apply on top. Raises `ValueError` naming a bad option, as for flags."""
+    base = VideoOptions(backend=media.video_loader_backend, pool_size=clamp_pool_size(media.media_loading_thread_count))
+    if base.backend not in BACKENDS:
+        raise ValueError(f"VLMBATCH_VIDEO_LOADER_BACKEND: {base.backend!r} is not one of {', '.join(BACKENDS)}")
+    return parse_video_options(media.video_options, base)
 
 
 _cpu_decoder_threads = 0
@@ -100,12 +91,13 @@ def cpu_decoder_threads() -> int:
 
 
 def parse_video_options(video_kwargs: Mapping[str, Any] | None, base: VideoOptions | None = None) -> VideoOptions:
-    """Apply `video_kwargs` (the `"video"` entry of media_io_kwargs) on top of `base`.
+    """Apply `video_kwargs` (the `"video"` entry of media_io_kwargs) on top of `base` (a
+    process's `default_video_options`; without one, the built-in `VideoOptions()`).
 
     Raises `ValueError` naming the offending option (and, for a backend option,
     the backend it belongs to and the one in use).
     """
-    base = base or default_video_options()
+    base = base or VideoOptions()
     if not video_kwargs:
         return base
     if not isinstance(video_kwargs, Mapping):

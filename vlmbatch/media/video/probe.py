@@ -100,7 +100,7 @@ def _probe_with_pyav(source: MediaSource) -> StreamIndex:
 def _probe_with_opencv(source: MediaSource) -> StreamIndex:
     import cv2
 
-    from vlmbatch.media.video.opencv_backend import grab_loop, open_capture
+    from vlmbatch.media.video.opencv_capture import grab_loop, open_capture
 
     with open_capture(source, raw_packets=True) as capture:
         packets = sorted(

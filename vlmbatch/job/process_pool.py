@@ -1,27 +1,23 @@
-"""Row preparation in worker processes, so image decoding never starves the engine.
+"""A crash-isolating process pool: tasks out of order, bounded, surviving dead workers.
 
-Decoding, resizing and normalising media is CPU work that holds the GIL: one Python
-thread manages a few dozen 1080p images/s (~38 ms of CPU each with Qwen's processor) while
-the GPU waits. Here each worker process builds the model's adapter once and prepares rows
-(`prepare_row`) as they come; rows are delivered as soon as they are ready, out of order
-(results are attributed by `row_id`).
-
-Promises, each covered by tests/test_pool.py:
-- bounded memory: at most `max_pending` rows are between the source and the consumer, and
+Each worker runs `handle = setup(setup_arg)` once, then `handle(task)` for every task it
+is given; results come back as soon as they are ready, out of order (a task carries its
+id). What it promises, each covered by tests/test_pool.py and tests/test_pool_reuse.py:
+- bounded memory: at most `max_pending` tasks are between the source and the consumer, and
   the source iterator is only advanced when there is room (a slow consumer slows reading);
-- a worker that dies (decoder segfault, `os._exit`, OOM kill) fails only the row it was
-  working on, as `ErrorType.WORKER_CRASH`; a row that runs past `task_timeout` fails as
-  `ErrorType.MEDIA_TIMEOUT` and its worker is killed; either way the rows queued behind it
+- a worker that dies (decoder segfault, `os._exit`, OOM kill) fails only the task it was
+  working on, as `ErrorType.WORKER_CRASH`; a task that runs past `task_timeout` fails as
+  `ErrorType.MEDIA_TIMEOUT` and its worker is killed; either way the tasks queued behind it
   go to other workers and the worker is replaced;
 - closing the iterator (cancel, early `break`, garbage collection) stops the workers, and
   so does killing the process that owns the pool;
-- a pool outlives one source: `RowPreparer` keeps one for the life of its owner (a
-  `vlmbatch worker` GPU process, an in-process job), so shards do not pay start-up and the
-  adapter load again. A source closed early kills the workers still holding its rows (their
-  results can never reach the next source) and they are restarted when the next one starts.
+- a pool outlives one source: `imap_unordered` may be called again once the previous
+  iteration ended, with the same workers. A source closed early kills the workers still
+  holding its tasks (their results can never reach the next source) and they are
+  restarted when the next one starts.
 
-Each worker has its own task queue (at most `_TASKS_PER_WORKER` rows deep) and its own
-result pipe, which is what lets the parent know exactly which row a dead worker held; a
+Each worker has its own task queue (at most `_TASKS_PER_WORKER` tasks deep) and its own
+result pipe, which is what lets the parent know exactly which task a dead worker held; a
 shared queue (`concurrent.futures.ProcessPoolExecutor`) loses that and breaks the whole pool
 on one crash. Results travel as pickles through the pipe, not as torch shared memory
 (container `/dev/shm` is often 64 MiB, which a few hundred rows of pixel tensors overflow),
@@ -32,48 +28,24 @@ from __future__ import annotations
 
 import io
 import multiprocessing
-import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from vlmbatch import config
-from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.errors import ErrorType
 
-if TYPE_CHECKING:
-    from vlmbatch.engine.sampling_params import SamplingParams
-    from vlmbatch.job.prepare import PreparedRow
-    from vlmbatch.families.adapter import ModelAdapter
-
-# One row being prepared plus one waiting, so a worker never idles between rows while a
-# slow row (a long video) holds back at most one other row.
+# One task being handled plus one waiting, so a worker never idles between tasks while a
+# slow one (a long video) holds back at most one other.
 _TASKS_PER_WORKER = 2
-# A row still being prepared after this long has hung its worker (a stuck decoder): the
-# worker is killed and the row fails with `media_timeout`. Far above any real row (a long
-# video takes seconds), so it only ever catches hangs.
-DEFAULT_ROW_TIMEOUT = 600.0
 # How often an idle worker checks that the process that owns its pool still exists.
 _ORPHAN_CHECK_SECONDS = 1.0
-# Modules the fork server imports once, so each (re)started worker skips their import time:
-# without them a worker's first `load_adapter` spends ~13 s importing torchvision (via the
-# image processors) on this machine, with them 0.2 s.
-_PRELOAD = [
-    "torch",
-    "torchvision",
-    "transformers.image_processing_utils",
-    "transformers.video_processing_utils",
-    "transformers.processing_utils",
-    "transformers.models.auto.processing_auto",
-    "vlmbatch.families.registry",
-    "vlmbatch.job.prepare",
-    "vlmbatch.job.pool",
-]
 
 Task = tuple[int, Any]  # (row_id, payload)
 Setup = Callable[[Any], Callable[[Task], Any]]  # setup(arg) -> handle(task) -> result
@@ -81,31 +53,15 @@ Failure = Callable[[Task, str, str], Any]  # on_failure(task, error_type, messag
 
 
 class PoolStartError(RuntimeError):
-    """A worker failed before handling any row (its setup raised or it died): a job problem."""
-
-
-def default_num_workers() -> int:
-    """`VLMBATCH_PREPROCESS_WORKERS`, else this process's cores less those left to the engine.
-
-    This process's cores are its share of the host (`vlmbatch worker` gives each GPU worker
-    its own, see `config.worker_cpus`), else its affinity. The engine keeps two of them when
-    it can (its Python loop, plus the CUDA, pinned-copy and queue heartbeat threads), one
-    otherwise: a 16-core host with two GPU workers gets 6 preprocessing processes per GPU.
-    """
-    configured = config.preprocess_workers()
-    if configured is not None:
-        return configured
-    cores = len(config.worker_cpus() or os.sched_getaffinity(0))
-    return max(1, cores - (2 if cores >= 4 else 1))
+    """A worker failed before handling any task (its setup raised or it died): a job problem."""
 
 
 class _TensorPickler(pickle.Pickler):
     """Pickles CPU tensors as their raw bytes (any dtype, bf16 included)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        import torch
-
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+        torch = sys.modules.get("torch")  # not imported: nothing here is a tensor
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
             # GPU tensors (a row overriding the video backend) cross through the host
             raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
@@ -124,12 +80,13 @@ def _dumps(message: Any) -> memoryview:
     return buffer.getbuffer()
 
 
-def start_fork_server() -> None:
-    """Start the fork server now (it imports `_PRELOAD` once: seconds), e.g. while the model
-    loads; pools started later in this process fork their workers from it in ~0.5 s."""
+def start_fork_server(preload: Sequence[str] = ()) -> None:
+    """Start this process's fork server now, importing `preload` once (seconds for torch and
+    transformers), e.g. while a model loads: pools started later fork their workers from it
+    in ~0.5 s with those modules already imported. Only the first call's `preload` counts."""
     from multiprocessing import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     forkserver.ensure_running()
 
 
@@ -150,12 +107,6 @@ def _next_task(tasks: Any, owner_alive: Connection) -> Task | None:
 
 def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection, owner_alive: Connection) -> None:
     """Build the handler once, then answer tasks until the `None` sentinel."""
-    import torch
-
-    from vlmbatch.media.video.options import set_cpu_decoder_threads
-
-    torch.set_num_threads(1)  # the pool is the parallelism; per-op threads would oversubscribe
-    set_cpu_decoder_threads(1)  # likewise for video decoders (and they waste less after seeks)
     try:
         handle = setup(setup_arg)
     except BaseException:  # noqa: BLE001 - any setup failure must reach the parent, not vanish
@@ -202,6 +153,7 @@ class ProcessPool:
         max_pending: int | None = None,
         start_method: str = "forkserver",
         task_timeout: float | None = None,
+        preload: Sequence[str] = (),
     ):
         if num_workers < 1:
             raise ValueError("a process pool needs at least one worker")
@@ -213,7 +165,7 @@ class ProcessPool:
         self.task_timeout = task_timeout
         self.context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
-            start_fork_server()
+            start_fork_server(preload)
         self.workers: list[_Worker] = []
         self.restarts = 0
         self._iterating = False
@@ -408,179 +360,3 @@ class ProcessPool:
         self.workers[self.workers.index(worker)] = self._start_worker()
         self.restarts += 1
         return results
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    """What a worker process needs to build its own copy of the job's model adapter."""
-
-    model: str
-    chat_template: str | None = None
-    trust_remote_code: bool = False
-
-    def load(self) -> ModelAdapter:
-        from vlmbatch.families.registry import load_adapter
-
-        return load_adapter(self.model, self.chat_template, self.trust_remote_code)
-
-
-@dataclass(frozen=True)
-class RowPreparation:
-    """Everything `prepare_row` needs besides the row (a job's settings); it travels with
-    each row, so one pool serves shard after shard of any job (~1 KB per row).
-
-    `pixel_dtype` (a torch dtype name such as "bfloat16") is the engine's: its vision tower
-    casts pixels to it first thing, so casting them in the worker gives the same results
-    and halves the bytes that cross the pipe (a 448x448 image: 4.8 -> 2.4 MB). None keeps
-    the processor's float32 (CPU engines, which run in float32).
-    """
-
-    adapter_spec: AdapterSpec | None
-    dataset: str
-    media_io_kwargs: dict[str, Any]
-    columns: Any
-    defaults: SamplingParams
-    pixel_dtype: str | None = None
-    defer_jpegs: bool = False  # JPEG bytes go to the engine for GPU decoding (engine/gpu_images.py)
-
-
-def _row_preparer(adapter_spec: AdapterSpec | None) -> Callable[[Task], PreparedRow]:
-    """Worker setup: the adapter is loaded now; each task is `(row_id, (preparation, raw))`,
-    and the adapter and media loader are rebuilt only when a row's preparation asks for
-    other ones (another model spelling or chat template; another dataset or media options)."""
-    from vlmbatch.job.prepare import media_loader_for, prepare_row
-
-    adapter = adapter_spec.load() if adapter_spec is not None else None
-    media_for: tuple[str, dict[str, Any]] | None = None
-    media: Any = None
-
-    def prepare(task: Task) -> PreparedRow:
-        nonlocal adapter_spec, adapter, media_for, media
-        row_id, (preparation, raw) = task
-        if preparation.adapter_spec != adapter_spec:
-            adapter_spec = preparation.adapter_spec
-            adapter = adapter_spec.load() if adapter_spec is not None else None
-        if (preparation.dataset, preparation.media_io_kwargs) != media_for:
-            media_for = (preparation.dataset, preparation.media_io_kwargs)
-            media = media_loader_for(*media_for)
-        item = prepare_row(row_id, raw, preparation.columns, preparation.defaults, adapter, media,
-                           defer_jpegs=preparation.defer_jpegs)
-        if item.prepared is not None and preparation.pixel_dtype is not None:
-            for media_item in item.prepared.media:
-                media_item.cast_pixels(preparation.pixel_dtype)  # less to pickle
-        return item
-
-    return prepare
-
-
-class RowPreparer:
-    """One preprocessing pool kept for the life of its owner and reused by every shard.
-
-    A `vlmbatch worker` GPU process holds one for all the shards (of every job) it runs, and
-    an in-process job one for all its shards: the workers start and load the adapter once,
-    not per shard. The pool is rebuilt only after it failed to start. `starts` counts the
-    pools started, `restarts` the workers replaced (crashes, timeouts, abandoned sources).
-    """
-
-    def __init__(self, num_workers: int | None = None, max_pending: int | None = None,
-                 row_timeout: float | None = DEFAULT_ROW_TIMEOUT):
-        self.num_workers = default_num_workers() if num_workers is None else num_workers
-        self.max_pending = max_pending
-        self.row_timeout = row_timeout
-        self.pool: ProcessPool | None = None
-        self.starts = 0
-        self._restarts_before = 0  # of pools already closed
-
-    @property
-    def restarts(self) -> int:
-        return self._restarts_before + (self.pool.restarts if self.pool is not None else 0)
-
-    def prepare(self, source: Iterable[Task], preparation: RowPreparation) -> Generator[PreparedRow | None, bool | None, None]:
-        """`ProcessPool.imap_unordered` of `source` (same `send(False)` protocol)."""
-        self.start(preparation.adapter_spec)
-        assert self.pool is not None
-        try:
-            yield from self.pool.imap_unordered((row_id, (preparation, raw)) for row_id, raw in source)
-        except PoolStartError:
-            self.close()  # a worker that cannot start would fail every later shard the same way
-            raise
-
-    def start(self, adapter_spec: AdapterSpec | None) -> None:
-        """Start the workers unless they run (each loads `adapter_spec`'s processor): a GPU
-        worker calls it once its model is loaded, so its first shard finds them ready."""
-        if self.pool is None and self.num_workers > 0:
-            pool = ProcessPool(_row_preparer, adapter_spec, _failed_row, self.num_workers, self.max_pending,
-                               task_timeout=self.row_timeout)
-            self.pool = pool.__enter__()
-            self.starts += 1
-
-    def close(self) -> None:
-        """Stop the workers (the owner is done)."""
-        if self.pool is not None:
-            self._restarts_before += self.pool.restarts
-            self.pool.close()
-            self.pool = None
-
-
-def _failed_row(task: Task, error_type: str, message: str) -> PreparedRow:
-    from vlmbatch.job.prepare import PreparedRow
-
-    row_id, (_, raw) = task
-    return PreparedRow(row_id=row_id, raw=raw, error=RowError(error_type, message))
-
-
-def _videos_on_gpu(manifest: Any) -> bool:
-    """A job whose video backend decodes on the GPU: its rows are prepared in the engine
-    process, as pool workers would each open a CUDA context the engine did not budget for
-    and send the frames back through the host."""
-    from vlmbatch.media.video import decodes_on_gpu
-
-    return decodes_on_gpu((manifest.media_io_kwargs or {}).get("video"))
-
-
-def prepare_rows_parallel(
-    source: Iterable[tuple[int, Any]],
-    manifest: Any,
-    adapter_spec: AdapterSpec | None,
-    defaults: SamplingParams,
-    num_workers: int | None = None,
-    max_pending: int | None = None,
-    adapter: ModelAdapter | None = None,
-    row_timeout: float | None = DEFAULT_ROW_TIMEOUT,
-    pixel_dtype: str | None = None,
-    preparer: RowPreparer | None = None,
-    defer_jpegs: bool = False,
-) -> Generator[PreparedRow | None, bool | None, None]:
-    """`prepare_rows` over a pool of worker processes; rows come out in completion order.
-
-    `preparer` is the caller's long-lived pool (its size and limits apply); without one a
-    pool is started for this call alone. `num_workers` defaults to `default_num_workers()`;
-    0 prepares in this thread (in order) with `adapter` (the caller's loaded one) or, failing
-    that, one loaded from `adapter_spec`. `max_pending` bounds the rows read from `source`
-    and not yet yielded (default 4 per worker). A row still being prepared after
-    `row_timeout` seconds fails with `media_timeout`. `pixel_dtype`: see `RowPreparation`.
-    With workers, `send(False)` returns None instead of waiting when no row is ready.
-    """
-    from vlmbatch.job.prepare import prepare_rows
-
-    if preparer is not None:
-        workers = preparer.num_workers
-    else:
-        workers = default_num_workers() if num_workers is None else num_workers
-    if _videos_on_gpu(manifest):
-        workers = 0  # GPU-decoded frames stay on the engine's GPU: see docs/video.md
-    if workers == 0:
-        if adapter is None and adapter_spec is not None:
-            adapter = adapter_spec.load()
-        yield from prepare_rows(source, manifest, adapter, defaults, defer_jpegs)
-        return
-    preparation = RowPreparation(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {},
-                                 manifest.columns, defaults, pixel_dtype, defer_jpegs)
-    if preparer is not None:
-        yield from preparer.prepare(source, preparation)
-        return
-    own = RowPreparer(workers, max_pending, row_timeout)
-    try:
-        yield from own.prepare(source, preparation)
-    finally:
-        own.close()
