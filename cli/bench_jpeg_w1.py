@@ -18,9 +18,10 @@ def bench_jpeg_w1(
 ) -> None:
     """Requests/s of W1 with pixels ready, through the job path from JPEGs with nvJPEG in the engine, and with the pool decoding."""
     from vlmbatch.bench.jpeg_w1 import run
+    from vlmbatch.config import MediaConfig, WorkerConfig
 
     shape = shape_or_exit(shape).name
-    if not run(shape, rows, workdir, json_out, os.environ.get("VLMBATCH_PREPROCESS_WORKERS", "default")):
+    if not run(shape, rows, workdir, json_out, WorkerConfig.from_env(os.environ), MediaConfig.from_env(os.environ)):
         raise typer.Exit(1)
 
 

@@ -1,8 +1,8 @@
 """Configuration: flags over `VLMBATCH_*` variables over defaults, read once at the edge.
 
 The edges (the CLI commands, a worker process at start-up, `vlmbatch serve` at start-up,
-`LLM(...)`) build these frozen objects with `from_env(os.environ, **flags)` and pass them
-down; nothing below them reads or writes the environment. Every option knows its
+`LLM(...)`) build these frozen objects with `from_env(<the process environment>, **flags)`
+and pass them down; nothing below them reads or writes the environment. Every option knows its
 variable, so the README's table and `--help` texts name the same thing.
 
 An option the caller does not know (a typo in `LLM(..., max_num_seq=8)`, a stale job

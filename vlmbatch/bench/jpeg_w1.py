@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.bench import adapt
+from vlmbatch.config import MediaConfig, WorkerConfig
 from vlmbatch.bench.scaling import say
 from vlmbatch.bench.shapes import resolve_shape, save_random_checkpoint
 from vlmbatch.bench.timing import run_engine
@@ -98,12 +99,12 @@ def job_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, mode:
             "prompt_tokens": table.column("num_input_tokens").to_pylist()[0], "phases": phases(llm, before)}
 
 
-def run(shape: str, rows: int, workdir: Path, json_out: Path, preprocess_workers: str) -> bool:
-    """The three runs; False if one failed (`preprocess_workers` is only reported)."""
+def run(shape: str, rows: int, workdir: Path, json_out: Path, worker: WorkerConfig, media: MediaConfig) -> bool:
+    """The three runs; False if one failed."""
     import torch
 
     from vlmbatch import job as jobs
-    from vlmbatch.config import EngineConfig, MediaConfig, WorkerConfig
+    from vlmbatch.config import EngineConfig
     from vlmbatch.engine.gpu_images import defers_image_decoding
     from vlmbatch.job.preparer import RowPreparer
 
@@ -113,7 +114,7 @@ def run(shape: str, rows: int, workdir: Path, json_out: Path, preprocess_workers
     cuda = torch.cuda.is_available()
     workdir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"shape": shape, "rows": rows, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-                              "preprocess_workers": preprocess_workers,
+                              "preprocess_workers": worker.preprocess_workers,
                               "cpu_count": os.cpu_count(), "runs": {}}  # fmt: skip
     ok = True
     try:
@@ -128,7 +129,7 @@ def run(shape: str, rows: int, workdir: Path, json_out: Path, preprocess_workers
         runs = report["runs"]
         runs["pre-decoded"] = pre_decoded(llm, timed, warmup_requests)
         say(f"pre-decoded: {runs['pre-decoded']}")
-        preparer = RowPreparer(WorkerConfig.from_env(os.environ), MediaConfig.from_env(os.environ))
+        preparer = RowPreparer(worker, media)
         try:
             if defers_image_decoding(llm.engine, "auto"):
                 runs["jpeg-gpu"] = job_run(llm, model, dataset, warmup, workdir / "jobs", "on", preparer)
