@@ -2,14 +2,16 @@
 
 import torch
 
-from vlmbatch.job.shard import GpuMediaBudget, device_media_bytes
+from vlmbatch.families.prompt import MediaItem, PreparedPrompt
+from vlmbatch.job.shard import GpuMediaBudget
 
 
 def test_device_media_bytes_counts_only_tensors_off_the_host():
     # "meta" stands in for a GPU here: a tensor with a size and no host memory
-    inputs = {"pixel_values_videos": torch.empty(100, 10, device="meta"), "video_grid_thw": torch.ones(1, 3), "other": [1]}
-    assert device_media_bytes(inputs) == 100 * 10 * 4
-    assert device_media_bytes({"pixel_values": torch.zeros(5, 5)}) == 0
+    video = MediaItem("video", {"pixel_values_videos": torch.empty(100, 10, device="meta"), "video_grid_thw": torch.ones(1, 3)}, 25, "v")
+    image = MediaItem("image", {"pixel_values": torch.zeros(5, 5)}, 1, "i")
+    assert PreparedPrompt([1, 2], [video, image]).device_media_bytes == 100 * 10 * 4
+    assert PreparedPrompt([1], [image]).device_media_bytes == 0
 
 
 def test_budget_holds_back_rows_past_the_limit_and_frees_them_when_rows_finish():
