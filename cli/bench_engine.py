@@ -14,7 +14,7 @@ from vlmbatch.cli.bench_options import int_list, model_shape_option, shape_or_ex
 
 def bench_engine(
     model_shape: str = model_shape_option(),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Real Qwen2-VL/Qwen2.5-VL weights instead of random ones."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Real Qwen-VL weights (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) instead of random ones."),
     requests: int = typer.Option(1024, "--requests", min=1, help="Requests per workload on our engine and on vLLM."),
     peer: str = typer.Option("hf,vllm", "--peer", help="Peers to run on the same workloads: hf (generate()), vllm; '' for none. "
                              "A peer that cannot run here is reported as skipped, with why."),
@@ -30,6 +30,10 @@ def bench_engine(
     attention_backend: str = typer.Option("auto", "--attention-backend", help="Backend of the timed runs: auto (the product's choice), triton, flash-attn, torch."),
     check_prompts: int = typer.Option(4, "--check-prompts", min=1, help="W1 prompts whose logits are checked per backend."),
     decode_steps: int = typer.Option(32, "--decode-steps", min=1, help="Teacher-forced decode steps checked after each prompt."),
+    reference_layers: Optional[int] = typer.Option(
+        None, "--reference-layers", min=1,
+        help="Check the logits on the shape cut to its first N decoder layers (an fp32 reference of 30B-A3B does not fit on one GPU).",
+    ),
     decode_batches: str = typer.Option("1,64", "--decode-batches", help="Batch sizes of the decode-step roofline."),
     extra_shapes: str = typer.Option("qwen2_5_vl_7b", "--extra-shapes", help="Shapes that get the decode-step roofline only ('' for none)."),
     profile_batches: str = typer.Option("", "--profile-batches", help="Decode batch sizes whose kernels (and the vision tower) are profiled, e.g. 1,64."),
@@ -59,6 +63,7 @@ def bench_engine(
         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_timeout_s=vllm_timeout,
         vllm_pythonpath=tuple(p for p in vllm_pythonpath.split(os.pathsep) if p), workloads=split(workloads),
         backends=split(backends), attention_backend=attention_backend, check_prompts=check_prompts, decode_steps=decode_steps,
+        reference_layers=reference_layers,
         decode_batches=int_list(decode_batches, "--decode-batches"),
         extra_shapes=tuple(shape_or_exit(s).name for s in split(extra_shapes)),
         profile_batches=int_list(profile_batches, "--profile-batches", allow_empty=True), max_num_seqs=max_num_seqs,

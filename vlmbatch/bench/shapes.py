@@ -55,6 +55,10 @@ _QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "pat
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("tiny", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
                source="the tiny test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("tiny_qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration",
+               source="the tiny Qwen3-VL test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("tiny_qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
+               source="the tiny Qwen3-VL-MoE test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("qwen2_5_vl_3b", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
                text=dict(_QWEN25_TEXT, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                          intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
