@@ -18,8 +18,8 @@ def bench_engine(
     requests: int = typer.Option(1024, "--requests", min=1, help="Requests per workload on our engine and on vLLM."),
     peer: str = typer.Option("hf,vllm", "--peer", help="Peers to run on the same workloads: hf (generate()), vllm; '' for none. "
                              "A peer that cannot run here is reported as skipped, with why."),
-    peer_requests_w1: int = typer.Option(1024, "--peer-requests-w1", min=1, help="W1 requests on the generate() peer."),
-    peer_requests_w2: int = typer.Option(512, "--peer-requests-w2", min=1, help="W2 requests on the generate() peer."),
+    peer_requests_w1: int = typer.Option(1024, "--peer-requests-w1", min=0, help="W1 requests on the generate() peer (0: not on W1)."),
+    peer_requests_w2: int = typer.Option(512, "--peer-requests-w2", min=0, help="W2 requests on the generate() peer (0: not on W2)."),
     peer_batches: str = typer.Option("128,256", "--peer-batches", help="generate() static batch sizes, each warmed up with a full batch and timed."),
     vllm_gpu_memory_utilization: float = typer.Option(0.85, "--vllm-gpu-memory-utilization", help="vLLM's share of GPU memory."),
     vllm_timeout: float = typer.Option(300, "--vllm-timeout", help="Seconds the vLLM child may run (load, warm-up and both workloads)."),

@@ -263,7 +263,7 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         if "hf" in options.peers:
             report["peers"]["hf"] = {"status": "ran"}
             for name, workload in workloads.items():
-                for batch_size in options.peer_batches:
+                for batch_size in options.peer_batches if peer_counts[name] else ():  # 0 requests: not on this workload
                     result = phases.run(f"peer-hf-{name}-b{batch_size}", run_hf_peer, hf_model, adapter,
                                         workload.head(peer_counts[name]), batch_size, device, echo)
                     if result is not None:

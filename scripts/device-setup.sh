@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set-up on the lent GPU machine (no network there): install this tree, the wheels carried in
+# .whl/ (transformers 5.24, to match the CPU machines) into /tmp/site, and vLLM 0.26 from the
+# parts earlier calls copied to /tmp/vparts/ (../shared/FACTS.md) into /tmp/site-vllm.
+# Usage there: source scripts/device-setup.sh   (then `vlmbatch bench ...`; see BENCHMARKS.md)
+set -e
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -d /tmp/vparts ] && [ -d .vllm/small ] && [ ! -d /tmp/site-vllm/vllm ]; then
+  wheel=/tmp/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
+  cat /tmp/vparts/part0 /tmp/vparts/part1 /tmp/vparts/part2 /tmp/vparts/part3 /tmp/vparts/part4 > "$wheel"
+  echo "$(cut -d' ' -f1 .vllm/vllm.sha256)  $wheel" | sha256sum -c --quiet
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-vllm .vllm/small/*.whl "$wheel"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+set +e
