@@ -86,3 +86,24 @@ def test_decode_step_cost_counts_weights_once_and_kv_per_sequence(tiny_qwen):
     two_bytes, _ = decode_step_cost(decoder, batch=2, context=10)
     kv_per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * decoder.head_dim * 4
     assert two_bytes == weights + 2 * 10 * kv_per_token
+
+
+def test_decode_step_cost_of_a_mixture_of_experts_counts_the_experts_a_batch_reads():
+    from transformers import Qwen3VLMoeTextConfig
+
+    from vlmbatch.engine.decoder import Decoder, DecoderSpec
+    from vlmbatch.engine.kernel_choice import TORCH_KERNELS
+    from vlmbatch.engine.layers.rotary import RotaryEmbedding
+    from vlmbatch.families.qwen3_vl_moe.model import moe_or_dense
+
+    text = Qwen3VLMoeTextConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                                vocab_size=100, decoder_sparse_step=1, mlp_only_layers=[])
+    decoder = Decoder(text, RotaryEmbedding(torch.ones(4)), DecoderSpec(qk_norm=True, mlp=moe_or_dense), TORCH_KERNELS)
+    per_expert = 3 * 32 * 16
+    dense = sum(p.numel() for n, p in decoder.named_parameters() if not n.startswith("embed_tokens") and "gate_up" not in n and ".down" not in n)
+    one, one_flops = decode_step_cost(decoder, batch=1, context=0)
+    assert one == pytest.approx(4 * (dense + 2 * 2 * per_expert))  # batch 1 reads its top-2 experts per layer
+    many, _ = decode_step_cost(decoder, batch=10_000, context=0)
+    assert many == pytest.approx(4 * (dense + 2 * 8 * per_expert))  # a large batch reads every expert
+    assert one_flops == 2 * (dense + 2 * 2 * per_expert)

@@ -37,14 +37,26 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
 
 def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of `batch` sequences with `context` cached tokens:
-    every weight but the embedding table is read once; each sequence reads its KV."""
-    params = sum(p.numel() for name, p in decoder.named_parameters() if not name.startswith("embed_tokens"))
+    every dense weight but the embedding table is read once; of a mixture-of-experts layer
+    only the experts the batch routes to, as many as `batch` uniform top-k draws are expected
+    to hit (E * (1 - (1 - k/E)^batch)); each sequence reads its KV."""
+    from vlmbatch.engine.layers.moe import FusedMoE
+
     itemsize = decoder.embed_tokens.weight.dtype.itemsize
+    experts = [m for m in decoder.modules() if isinstance(m, FusedMoE)]
+    expert_params = {id(p) for m in experts for p in (m.gate_up, m.down)}
+    dense = sum(p.numel() for name, p in decoder.named_parameters() if not name.startswith("embed_tokens") and id(p) not in expert_params)
+    nbytes, flops = dense * itemsize, 2 * dense * batch
+    for moe in experts:
+        count, top_k = moe.gate_up.shape[0], moe.top_k
+        per_expert = moe.gate_up[0].numel() + moe.down[0].numel()
+        nbytes += count * (1 - (1 - top_k / count) ** batch) * per_expert * itemsize
+        flops += 2 * batch * top_k * per_expert
     layers, kv_heads, head_dim = len(decoder.layers), decoder.num_kv_heads, decoder.head_dim
     q_heads = decoder.layers[0].self_attn.num_heads
-    kv_bytes = batch * context * layers * 2 * kv_heads * head_dim * itemsize
-    flops = 2 * params * batch + batch * layers * 4 * context * q_heads * head_dim
-    return params * itemsize + kv_bytes, flops
+    nbytes += batch * context * layers * 2 * kv_heads * head_dim * itemsize
+    flops += batch * layers * 4 * context * q_heads * head_dim
+    return nbytes, flops
 
 
 def decode_roofline(engine, batch: int, ceilings: dict[str, float], steps: int = 32) -> dict[str, float]:
