@@ -162,3 +162,46 @@ def test_function_level_and_relative_imports_are_edges(tmp_path: Path) -> None:
     known = {"pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.d"}
     assert imports_of("pkg.a", package / "a.py", known) == {"pkg", "pkg.b", "pkg.d"}
 
+
+
+# The package layers of docs/structures.md: which packages each may import (itself always).
+# `families.<name>` stands for every family's folder; `errors` is below everything.
+LAYERS: dict[str, set[str]] = {
+    "cli": {"job", "server", "bench", "workers", "engine", "families", "io", "media", "config", "testing"},
+    "workers": {"job", "io", "media", "config"},
+    "bench": {"job", "server", "workers", "engine", "families", "families.<name>", "io", "media", "structured", "config",
+              "kernels", "testing", "chat"},
+    "server": {"engine", "families", "media", "chat", "config", "structured", "vlmbatch"},
+    "job": {"engine", "families", "io", "media", "structured", "chat", "workers", "config"},
+    "io": {"structured", "config", "job"},
+    "engine": {"families", "kernels", "media", "chat", "config", "structured"},
+    "families.<name>": {"engine", "families", "media", "testing", "kernels"},
+    "families": {"media", "chat"},
+    "structured": set(),
+    "media": {"config"},
+    "chat": set(),
+    "config": set(),
+    "kernels": set(),
+    "testing": {"families", "media"},
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "vlmbatch"
+    if parts[1] == "families" and len(parts) > 2 and parts[2] not in ("registry", "prompt", "adapter", "processor_adapter"):
+        return "families.<name>"
+    return parts[1]
+
+
+def test_packages_import_only_the_layers_docs_structures_names() -> None:
+    """docs/structures.md's layer diagram stays true to the imports."""
+    stray = set()
+    for module, imported in import_graph().items():
+        layer = _layer(module)
+        for other in imported:
+            target = _layer(other)
+            if target not in (layer, "errors") and layer in LAYERS and target not in LAYERS[layer]:
+                stray.add(f"{module} -> {other}")
+    assert not stray, "imports the layers in docs/structures.md do not allow:\n" + "\n".join(sorted(stray))
