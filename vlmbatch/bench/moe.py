@@ -13,10 +13,7 @@ Timings are CUDA-graph replays (no launch gaps, as the engine's decode graphs ru
 passes over `layers` distinct weight sets and routings, one call each, so that every call
 reads its experts from memory, not from L2 (4 layers of 30B-A3B are 4.8 GB). The kernels
 are compiled first in parallel processes. `write_tuned_table` puts the chosen configs into
-`kernels/fused_moe.py`:
-
-    python -c "from vlmbatch.bench.moe import sweep_moe, format_sweep; print(format_sweep(sweep_moe(json_path='moe_sweep.json')))"
-    python -c "import json; from vlmbatch.bench.moe import write_tuned_table; write_tuned_table(json.load(open('moe_sweep.json')))"
+`kernels/fused_moe.py`: `vlmbatch bench moe --json moe_sweep.json --write-table`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,34 @@
+"""`vlmbatch bench moe`: sweep the fused-MoE kernel's tiles per token count on the GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from vlmbatch.cli.bench_options import int_list
+
+
+def bench_moe(
+    json_out: Path = typer.Option(Path("moe_sweep.json"), "--json", help="Where to write every candidate's timing."),
+    tokens: str = typer.Option("1,2,4,8,16,32,64,128,256,512,1024,4096,16384", help="Token counts to sweep, comma-separated."),
+    layers: int = typer.Option(4, min=1, help="Distinct expert weight sets per timing, so each call reads from memory, not L2."),
+    write_table: bool = typer.Option(False, "--write-table", help="Write the winners into kernels/fused_moe.py's tuned table."),
+) -> None:
+    """Time every candidate tile of the Qwen3-VL-30B-A3B expert shape (bf16) and print the fastest
+    per token count as a share of copy bandwidth; the table the engine uses comes from this."""
+    import torch
+
+    if not torch.cuda.is_available():
+        typer.echo("vlmbatch bench moe needs a CUDA GPU", err=True)
+        raise typer.Exit(2)
+    from vlmbatch.bench.moe import format_sweep, sweep_moe, write_tuned_table
+
+    result = sweep_moe(token_counts=int_list(tokens, "--tokens"), layers=layers, json_path=json_out, echo=typer.echo)
+    typer.echo(format_sweep(result))
+    if write_table:
+        typer.echo(f"wrote {write_tuned_table(result)}")
+
+
+def register(bench_app: typer.Typer) -> None:
+    bench_app.command("moe")(bench_moe)
