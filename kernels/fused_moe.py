@@ -23,13 +23,16 @@ A decode step is bound by reading the weights of the experts its tokens chose (9
 expert at the 30B-A3B shapes), so the work depends on bytes, not FLOPs: grids are sized
 from the worst case of the token count alone (fixed shapes for CUDA graphs; programs past
 the real number of blocks exit at once), nothing waits on the host, and the tile shapes
-come from a table measured on the H200 (`vlmbatch.bench.moe`), keyed by the token count.
+come from a table measured on the H200 (`vlmbatch bench moe`, kept in fused_moe_tuned.json),
+keyed by the token count.
 Rounding follows transformers' module (see `reference.fused_moe_ref`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -75,26 +78,28 @@ class MoeConfig:
     down: GemmTile
 
 
-# >>> tuned tile table: written by vlmbatch.bench.moe.write_tuned_table from a device sweep
-TUNED_CONFIGS: dict[tuple[int, int, int, int], dict[int, MoeConfig]] = {
-    # NVIDIA H200, bfloat16, 2026-12-01: the whole layer's time, expert bytes / time vs copy
-    (2048, 768, 128, 8): {
-        1: MoeConfig(1, GemmTile(16, 512, 1, 4, 1), GemmTile(4, 256, 1, 4, 1)),  # 29.0 us, 61% of copy
-        2: MoeConfig(1, GemmTile(16, 512, 1, 4, 1), GemmTile(4, 256, 1, 4, 1)),  # 51.3 us, 67% of copy
-        4: MoeConfig(1, GemmTile(16, 512, 1, 4, 1), GemmTile(16, 128, 1, 4, 1)),  # 76.4 us, 86% of copy
-        8: MoeConfig(16, GemmTile(64, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4)),  # 129.7 us, 87% of copy
-        16: MoeConfig(16, GemmTile(128, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 4)),  # 195.5 us, 91% of copy
-        32: MoeConfig(16, GemmTile(64, 128, 1, 4, 4), GemmTile(128, 128, 1, 4, 3)),  # 267.5 us, 91% of copy
-        64: MoeConfig(16, GemmTile(128, 128, 1, 4, 3), GemmTile(128, 128, 1, 4, 3)),  # 317.2 us, 88% of copy
-        128: MoeConfig(16, GemmTile(128, 128, 1, 4, 3), GemmTile(128, 128, 1, 4, 3)),  # 349.4 us, 81% of copy
-        256: MoeConfig(32, GemmTile(128, 128, 1, 4, 3), GemmTile(128, 128, 1, 4, 3)),  # 360.6 us, 79% of copy
-        512: MoeConfig(64, GemmTile(64, 128, 1, 4, 4), GemmTile(128, 128, 1, 4, 3)),  # 398.8 us, 71% of copy
-        1024: MoeConfig(64, GemmTile(128, 64, 8, 8, 4), GemmTile(128, 64, 8, 4, 3)),  # 435.0 us, 65% of copy
-        4096: MoeConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(256, 64, 8, 8, 3)),  # 822.5 us, 35% of copy
-        16384: MoeConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(256, 64, 8, 8, 3)),  # 2911.2 us, 10% of copy
-    },
-}
-# <<< tuned tile table
+# The tile table measured by `vlmbatch bench moe --write-table` (data beside this module):
+# {"hidden,intermediate,num_experts,top_k": {"measured": ..., "configs": {tokens: config}}}.
+TUNED_TABLE_PATH = Path(__file__).with_name("fused_moe_tuned.json")
+
+
+def config_from_json(entry: dict) -> MoeConfig:
+    """One config of the tuned table (extra keys such as the measured time are notes)."""
+    return MoeConfig(entry["block_m"], GemmTile(**entry["gate_up"]), GemmTile(**entry["down"]))
+
+
+def load_tuned_configs(path: Path = TUNED_TABLE_PATH) -> dict[tuple[int, int, int, int], dict[int, MoeConfig]]:
+    """The table keyed by (hidden, intermediate, num_experts, top_k), then token count."""
+    if not path.exists():
+        return {}
+    tables = json.loads(path.read_text())
+    return {
+        tuple(int(part) for part in key.split(",")): {int(n): config_from_json(entry) for n, entry in table["configs"].items()}
+        for key, table in tables.items()
+    }  # fmt: skip
+
+
+TUNED_CONFIGS = load_tuned_configs()
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import torch
 from PIL import Image
 
 from vlmbatch.engine.hf import generate_inputs
+from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.media.types import VideoFrames
 
 WORDS = "the cat sits on the mat and the dog runs in the park while a person is riding a bicycle".split()
@@ -67,6 +67,16 @@ def hf_greedy(hf_model, adapter, prompt, max_tokens) -> list[int]:
     out = hf_model.generate(**generate_inputs(hf_model, adapter, [prompt], adapter.tokenizer.pad_token_id or 0),
                            max_new_tokens=max_tokens, do_sample=False)
     return out[0, prompt.num_tokens :].tolist()
+
+
+def run_greedy(engine, adapter, requests) -> tuple[dict, dict]:
+    """Prepare and add `build_requests`' requests greedily, run the engine dry; returns
+    ({id: (prepared prompt, max_tokens)}, {id: finished output})."""
+    prepared = {}
+    for request_id, text, images, videos, max_tokens in requests:
+        prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
+        engine.add_request(request_id, prepared[request_id][0], SamplingParams(max_tokens=max_tokens, temperature=0))
+    return prepared, run_to_completion(engine)
 
 
 def run_to_completion(engine) -> dict:

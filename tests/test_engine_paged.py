@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import WORDS, build_requests, hf_greedy, qwen_prompt, run_to_completion
+from engine_harness import WORDS, build_requests, hf_greedy, qwen_prompt, run_greedy, run_to_completion
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.paged import PagedEngine
@@ -35,11 +35,7 @@ def test_greedy_tokens_match_transformers(arch, count, tiny_model_dir):
         max_num_seqs=6, max_num_batched_tokens=40, min_admission_batch=1,  # admit eagerly: forces preemption
     ))
     requests = build_requests(adapter, arch, count, seed=1)
-    prepared = {}
-    for request_id, text, images, videos, max_tokens in requests:
-        prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
-        engine.add_request(request_id, prepared[request_id][0], SamplingParams(max_tokens=max_tokens, temperature=0))
-    outputs = run_to_completion(engine)
+    prepared, outputs = run_greedy(engine, adapter, requests)
 
     assert sorted(outputs) == sorted(prepared)
     for request_id, (prompt, max_tokens) in prepared.items():
@@ -63,11 +59,7 @@ def test_static_decode_buffers_with_padding_match_transformers(tiny_qwen):
     engine.runner.prepare_static_decode(7, capture=False)
     assert sorted(engine.runner.graphs) == [1, 2, 4, 7]
     hf_model = load_hf_model(path, torch.float32, torch.device("cpu"))
-    prepared = {}
-    for request_id, text, images, videos, max_tokens in build_requests(adapter, "qwen2_5_vl", 10, seed=5):
-        prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
-        engine.add_request(request_id, prepared[request_id][0], SamplingParams(max_tokens=max_tokens, temperature=0))
-    outputs = run_to_completion(engine)
+    prepared, outputs = run_greedy(engine, adapter, build_requests(adapter, "qwen2_5_vl", 10, seed=5))
     for request_id, (prompt, max_tokens) in prepared.items():
         assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
     assert engine.stats.num_graph_replays == engine.stats.num_decode_steps > engine.stats.num_async_decode_steps > 0

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import build_requests, hf_greedy, make_image, make_video, qwen_prompt, run_to_completion
+from engine_harness import build_requests, hf_greedy, make_image, make_video, qwen_prompt, run_greedy
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.engine.paged import PagedEngine
-from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.families.registry import load_adapter
 
 ODD_WIDTHS, ODD_HEIGHTS = (37, 64, 97, 131, 200), (29, 56, 61, 150)
@@ -33,11 +32,7 @@ def test_fifty_mixed_requests_match_transformers(qwen3):
     engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=96, block_size=4,
                                                max_num_seqs=6, max_num_batched_tokens=48, min_admission_batch=1))
     requests = build_requests(adapter, "qwen3_vl", 50, seed=3, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
-    prepared = {}
-    for request_id, text, images, videos, max_tokens in requests:
-        prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
-        engine.add_request(request_id, prepared[request_id][0], SamplingParams(max_tokens=max_tokens, temperature=0))
-    outputs = run_to_completion(engine)
+    prepared, outputs = run_greedy(engine, adapter, requests)
     assert sorted(outputs) == sorted(prepared)
     for request_id, (prompt, max_tokens) in prepared.items():
         assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id

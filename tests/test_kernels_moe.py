@@ -11,7 +11,6 @@ the 30B-A3B shapes in bf16 and under CUDA-graph capture.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -23,7 +22,9 @@ import torch
 
 import vlmbatch.kernels as kernels
 from vlmbatch.engine.layers.moe import FusedMoE, select_experts
-from vlmbatch.kernels.fused_moe import REL_L2_BOUND, GemmTile, MoeConfig, fused_moe, max_blocks, moe_align
+from vlmbatch.kernels.fused_moe import (
+    REL_L2_BOUND, TUNED_CONFIGS, TUNED_TABLE_PATH, GemmTile, MoeConfig, fused_moe, load_tuned_configs, max_blocks, moe_align,
+)  # fmt: skip
 from vlmbatch.kernels.reference import fused_moe_ref
 from vlmbatch.kernels.testing import TOLERANCE, kernel_target
 
@@ -180,7 +181,7 @@ def test_align_invariants(case):
 @needs_kernels
 def test_kernel_sweep_picks_checked_configs_and_writes_the_table(tmp_path):
     """The device sweep end to end on tiny shapes: every candidate checked and timed, the
-    fastest kept per token count, the table written back as source that rebuilds them."""
+    fastest kept per token count, the table written back as data that rebuilds them."""
     from vlmbatch.bench.moe import MoeShape, format_sweep, sweep_moe, write_tuned_table
 
     shape = MoeShape(hidden=64, intermediate=32, num_experts=8, top_k=2)
@@ -197,13 +198,12 @@ def test_kernel_sweep_picks_checked_configs_and_writes_the_table(tmp_path):
             assert row[f"{stage}_us"] == min(t["us"] for t in stage_rows if t["stage"] == stage)
     assert "tokens" in format_sweep(result)
 
-    module = tmp_path / "fused_moe.py"
-    module.write_text(Path(inspect.getsourcefile(fused_moe)).read_text())
-    write_tuned_table(json.loads((tmp_path / "sweep.json").read_text()), module)
-    block = module.read_text().split("# >>> tuned tile table")[1].split("# <<< tuned tile table")[0]
-    namespace = {"MoeConfig": MoeConfig, "GemmTile": GemmTile}
-    exec(block.split("\n", 1)[1], namespace)
-    table = namespace["TUNED_CONFIGS"][(64, 32, 8, 2)]
+    table_path = tmp_path / "fused_moe_tuned.json"
+    table_path.write_text(TUNED_TABLE_PATH.read_text())
+    write_tuned_table(json.loads((tmp_path / "sweep.json").read_text()), table_path)
+    tables = load_tuned_configs(table_path)
+    assert tables[(2048, 768, 128, 8)] == TUNED_CONFIGS[(2048, 768, 128, 8)], "the other shapes' entries are kept"
+    table = tables[(64, 32, 8, 2)]
     assert sorted(table) == [1, 20]
     for row in result["rows"]:
         config = row["config"]

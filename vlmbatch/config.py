@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from vlmbatch.errors import JobError
 
@@ -123,6 +123,15 @@ def describe(cls: type) -> list[tuple[str, str | None, Any, str]]:
     return rows
 
 
+class Options:
+    """Base of the configuration classes: `from_env` is `load` for that class."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Self:
+        """Flags (`overrides`, None meaning "not given") over `env` over the defaults."""
+        return load(cls, env, **overrides)
+
+
 ENGINES = ("auto", "paged", "hf")
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "flash-attn")
 DECODE_LINEAR = ("auto", "skinny", "cublas")
@@ -130,7 +139,7 @@ GPU_IMAGE_DECODE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(Options):
     """How one model is run: which engine, on what, with which kernels and memory."""
 
     kind = "engine"
@@ -170,10 +179,6 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "EngineConfig":
-        return load(cls, env, **overrides)
-
     def updated(self, **overrides: Any) -> "EngineConfig":
         """A copy with the non-None `overrides`; an unknown name is a `ConfigError`."""
         unknown = sorted(set(overrides) - {f.name for f in fields(self)})
@@ -183,7 +188,7 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class MediaConfig:
+class MediaConfig(Options):
     """Defaults of media loading in this process (a job's and a row's own options apply on top)."""
 
     kind = "media"
@@ -196,13 +201,9 @@ class MediaConfig:
     video_options: dict[str, Any] = option({}, help="this process's video options (the `video` entry of "
                                                    "`vlmbatch worker --media-io-kwargs`), under each job's and row's own")
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "MediaConfig":
-        return load(cls, env, **overrides)
-
 
 @dataclass(frozen=True)
-class QueueConfig:
+class QueueConfig(Options):
     """How queued shards are delivered and retried."""
 
     kind = "queue"
@@ -212,13 +213,9 @@ class QueueConfig:
     poison_crashes: int = option(3, "VLMBATCH_QUEUE_POISON_CRASHES",
                                  help="crashes of one row range after which its shard is split to isolate a poison row")
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "QueueConfig":
-        return load(cls, env, **overrides)
-
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(Options):
     """What the process that runs shards may use besides the GPU: its cores and preprocessing pool."""
 
     kind = "worker"
@@ -234,10 +231,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.worker_cpus is not None and not isinstance(self.worker_cpus, frozenset):
             object.__setattr__(self, "worker_cpus", frozenset(self.worker_cpus))  # e.g. a list, from JSON
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "WorkerConfig":
-        return load(cls, env, **overrides)
 
     @property
     def gpu_media_budget_bytes(self) -> int:

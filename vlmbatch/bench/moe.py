@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import datetime
 import functools
-import importlib
 import json
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,7 +35,7 @@ from vlmbatch.engine.layers.moe import select_experts
 from vlmbatch.kernels.fused_moe import (
     REL_L2_BOUND,
     SINGLE_PROGRAM_PAIRS,
-    TUNED_CONFIGS,
+    TUNED_TABLE_PATH,
     ExpertBlocks,
     GemmTile,
     MoeConfig,
@@ -406,39 +404,17 @@ def format_sweep(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_TABLE_BLOCK = re.compile(r"(# >>> tuned tile table[^\n]*\n).*?(# <<< tuned tile table)", re.DOTALL)
-
-
-def _tile_source(tile: dict) -> str:
-    return "GemmTile({block_n}, {block_k}, {group_m}, {num_warps}, {num_stages})".format(**tile)
-
-
-def write_tuned_table(result: dict[str, Any], path: Path | str | None = None) -> Path:
-    """Put the sweep's configs into the `TUNED_CONFIGS` block of kernels/fused_moe.py (or
-    `path`), keeping the other shapes' entries; each line notes its measured time."""
-    path = Path(path or importlib.import_module("vlmbatch.kernels.fused_moe").__file__)
+def write_tuned_table(result: dict[str, Any], path: Path | str = TUNED_TABLE_PATH) -> Path:
+    """Put the sweep's configs, with their measured time and share of copy bandwidth, into
+    the tuned table (kernels/fused_moe_tuned.json or `path`), keeping the other shapes'."""
+    path = Path(path)
+    tables = json.loads(path.read_text()) if path.exists() else {}
     shape = MoeShape(**result["shape"])
-    tables = {key: {n: (config, "") for n, config in table.items()} for key, table in TUNED_CONFIGS.items()}
-    tables[shape.key] = {}
-    for row in result["rows"]:
-        if "config" in row:
-            config = row["config"]
-            note = f"{row['us']:.1f} us" + (f", {row['pct_of_copy']:.0f}% of copy" if row.get("pct_of_copy") else "")
-            tables[shape.key][row["tokens"]] = (MoeConfig(config["block_m"], GemmTile(**config["gate_up"]), GemmTile(**config["down"])), note)
-    lines = ["TUNED_CONFIGS: dict[tuple[int, int, int, int], dict[int, MoeConfig]] = {"]
-    for key, table in sorted(tables.items()):
-        if key == shape.key:
-            lines.append(f"    # {result['device']}, {result['dtype']}, {result.get('date', '')}: the whole layer's time, expert bytes / time vs copy")
-        lines.append(f"    {key}: {{")
-        for num_tokens, (config, note) in sorted(table.items()):
-            if isinstance(config, MoeConfig):
-                config = asdict(config)
-            source = f"MoeConfig({config['block_m']}, {_tile_source(config['gate_up'])}, {_tile_source(config['down'])})"
-            lines.append(f"        {num_tokens}: {source}," + (f"  # {note}" if note else ""))
-        lines.append("    },")
-    lines.append("}")
-    text = path.read_text()
-    if not _TABLE_BLOCK.search(text):
-        raise ValueError(f"{path} has no '# >>> tuned tile table' block")
-    path.write_text(_TABLE_BLOCK.sub(lambda m: m.group(1) + "\n".join(lines) + "\n" + m.group(2), text, count=1))
+    tables[",".join(str(part) for part in shape.key)] = {
+        "measured": f"{result['device']}, {result['dtype']}, {result.get('date', '')}: the whole layer's time; "
+                    "pct_of_copy = expert bytes / time against a device copy",
+        "configs": {str(row["tokens"]): {**row["config"], "us": round(row["us"], 1), "pct_of_copy": round(row.get("pct_of_copy") or 0, 1)}
+                    for row in result["rows"] if "config" in row},
+    }  # fmt: skip
+    path.write_text(json.dumps(tables, indent=1) + "\n")
     return path

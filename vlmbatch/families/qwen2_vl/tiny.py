@@ -71,14 +71,18 @@ def config_parts(tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
     )
-    common = dict(
+    return text_config, media_token_config(ids)
+
+
+def media_token_config(ids: dict[str, int]) -> dict[str, Any]:
+    """The top-level config keys naming the media tokens, shared by the Qwen-VL families."""
+    return dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    return text_config, common
 
 
 def eos_token_ids(config: Any) -> list[int]:

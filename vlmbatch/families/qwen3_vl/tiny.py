@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.families.qwen2_vl.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from vlmbatch.families.qwen2_vl.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, media_token_config
 from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
 
 # Few pixels so an image costs 4..64 tokens after the 2x2 merge of 16 px patches.
@@ -54,14 +54,7 @@ def config_parts(tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any], dict[s
         num_position_embeddings=16,  # a 4x4 learned grid: interpolated to every image's grid
         deepstack_visual_indexes=[0, 1],  # features after blocks 0 and 1 go into decoder layers 0 and 1
     )
-    common = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    return text_config, vision_config, common
+    return text_config, vision_config, media_token_config(ids)
 
 
 def eos_token_ids(config: Any) -> list[int]:
