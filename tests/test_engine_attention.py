@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from vlmbatch.engine.attention import AttentionMetadata, TorchBackend, available_backends, create_backend
+from vlmbatch.config import EngineConfig
+from vlmbatch.engine.attention import AttentionMetadata, TorchBackend, available_backends, create_backend, resolve_backend
 from vlmbatch.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from vlmbatch.kernels.testing import make_paged_kv
 
@@ -74,19 +75,22 @@ def test_store_writes_each_token_into_its_slot():
     torch.testing.assert_close(v_cache.view(-1, KV_HEADS, DIM)[meta.slot_mapping], v)
 
 
-def test_auto_is_torch_on_cpu(monkeypatch):
-    monkeypatch.delenv("VLMBATCH_ATTENTION_BACKEND", raising=False)
+def test_auto_is_torch_on_cpu_and_says_why():
     assert available_backends(torch.device("cpu")) == ["torch"]
-    assert create_backend("auto", torch.device("cpu")).name == "torch"
+    name, why = resolve_backend("auto", torch.device("cpu"))
+    assert (name, why) == ("torch", "auto: the only backend on the CPU")
+    assert create_backend(name).name == "torch"
 
 
-def test_environment_chooses_the_backend_behind_auto(monkeypatch):
-    monkeypatch.setenv("VLMBATCH_ATTENTION_BACKEND", "triton")
-    assert create_backend("auto", torch.device("cpu")).name == "triton"
-    assert create_backend("torch", torch.device("cpu")).name == "torch"  # an explicit choice wins
-    monkeypatch.setenv("VLMBATCH_ATTENTION_BACKEND", "fastest")
+def test_an_explicit_backend_wins_over_auto_and_an_unknown_one_is_refused():
+    """The configured name (flag over VLMBATCH_ATTENTION_BACKEND, read at the edge) is
+    taken as it is; `auto` is a fixed rule, not a file a benchmark wrote."""
+    backend = EngineConfig.from_env({"VLMBATCH_ATTENTION_BACKEND": "triton"}).attention_backend
+    assert resolve_backend(backend, torch.device("cpu"))[0] == "triton"
+    assert create_backend("triton", pdl_max_rows=16).name == "triton"
+    assert EngineConfig.from_env({"VLMBATCH_ATTENTION_BACKEND": "triton"}, attention_backend="torch").attention_backend == "torch"
     with pytest.raises(ValueError, match="unknown attention backend 'fastest'"):
-        create_backend("auto", torch.device("cpu"))
+        resolve_backend("fastest", torch.device("cpu"))
 
 
 def _fake_flash_attn(root, *files):

@@ -3,10 +3,13 @@
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.sequence import MultimodalData, Sequence
+from vlmbatch.families.prompt import MediaItem
 
 
 def make_seq(tokens, request_id="r", media=None):
-    mm = MultimodalData(inputs={}, hashes=[h for h, _ in media], token_spans=[s for _, s in media]) if media else None
+    """`media`: (content hash, (start, end) placeholder span) per image."""
+    items = [MediaItem("image", {}, end - start, content_hash) for content_hash, (start, end) in media or ()]
+    mm = MultimodalData(items=items, token_spans=[span for _, span in media]) if media else None
     return Sequence(request_id, list(tokens), SamplingParams(), mm=mm)
 
 
