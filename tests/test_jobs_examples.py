@@ -30,7 +30,7 @@ def _run(name: str, model: Path, output: Path, *flags: str) -> tuple[Path, list[
 @pytest.mark.parametrize("name", ["invoice-extraction", "video-qa"])  # captioning's run below checks it too
 def test_structured_example_passes_the_submit_checks(name: str, tiny_qwen: Path, tmp_path: Path) -> None:
     options = load_job_file(JOBS / name / EXAMPLES[name])
-    assert options["dataset"].exists()
+    assert Path(options["dataset"]).exists()  # a local path, resolved against the job file
     proc = vlmbatch("submit", str(JOBS / name / EXAMPLES[name]), "--model", str(tiny_qwen), "--output", str(tmp_path / "out"), "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(0 would fail)" in proc.stdout + proc.stderr
