@@ -1,0 +1,198 @@
+"""InternVL3 (Qwen2 decoder) and InternVL3.5 (Qwen3 decoder) on the CPU in fp32: the paged
+engine's greedy tokens equal `transformers`'.
+
+Mixed requests (text only, up to three images whose aspect ratios give 1 to 6 tiles plus
+the thumbnail, a video of one tile per frame, exact repeats) through a small KV cache and
+token budget, so batching, chunked prefill, preemption and prefix- and encoder-cache hits
+all happen; the engine's counters prove they did. The prompts and pixels we build are the
+processor's own, and a row's `mm_processor_kwargs` changes the tiling as it would there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_harness import build_requests, hf_greedy, internvl_prompt, make_image, make_video, run_greedy, run_to_completion
+
+from vlmbatch.config import EngineConfig
+from vlmbatch.engine.loading import load_hf_model
+from vlmbatch.engine.paged import PagedEngine
+from vlmbatch.engine.sampling_params import SamplingParams
+from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.families.internvl.tiny import TOKENS_PER_TILE, make_tiny_checkpoint
+from vlmbatch.families.prompt import collate
+from vlmbatch.families.registry import load_adapter
+
+# Aspect ratios from 1:7 to 7:1: tile grids 1x1 .. 6x1 (the thumbnail is added past one tile).
+ODD_WIDTHS, ODD_HEIGHTS = (29, 61, 97, 150, 200), (29, 37, 56, 131, 200)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def internvl(request, tiny_model_dir, tmp_path_factory):
+    """(adapter, transformers model) of the tiny InternVL3 (qwen2) or InternVL3.5 (qwen3) checkpoint."""
+    torch.set_num_threads(1)
+    if request.param == "qwen2":
+        path = str(tiny_model_dir("internvl"))  # what make-tiny-model --arch internvl writes
+    else:
+        path = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-internvl3_5"), language_model="qwen3"))
+    adapter = load_adapter(path)
+    assert adapter.config.text_config.model_type == request.param
+    return adapter, load_hf_model(path, torch.float32, torch.device("cpu"))
+
+
+def _engine(adapter, num_kv_blocks: int) -> PagedEngine:
+    return PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks, block_size=4,
+                                             max_num_seqs=6, max_num_batched_tokens=48, min_admission_batch=1))
+
+
+def _assert_matches_transformers(internvl, count: int, seed: int, num_kv_blocks: int) -> None:
+    adapter, hf_model = internvl
+    engine = _engine(adapter, num_kv_blocks)
+    requests = build_requests(adapter, "internvl", count, seed=seed, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
+    prepared, outputs = run_greedy(engine, adapter, requests)
+    assert sorted(outputs) == sorted(prepared)
+    for request_id, (prompt, max_tokens) in prepared.items():
+        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
+    stats = engine.stats
+    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
+    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    assert any(videos for *_, videos, _ in requests) and max(len(images) for _, _, images, _, _ in requests) >= 2
+    tiles = {item.tensors["pixel_values"].shape[0] for prompt, _ in prepared.values() for item in prompt.media}
+    assert len(tiles) >= 3  # the images' aspect ratios gave several tilings
+
+
+def test_mixed_requests_match_transformers(internvl):
+    _assert_matches_transformers(internvl, count=10, seed=7, num_kv_blocks=56)
+
+
+@pytest.mark.slow
+def test_fifty_mixed_requests_match_transformers(internvl):
+    _assert_matches_transformers(internvl, count=50, seed=3, num_kv_blocks=64)
+
+
+def test_prompts_and_pixels_are_the_processors(internvl):
+    """Token ids and the collated tiles equal the processor's for images and a video interleaved;
+    each item holds its own tiles and fills its own context tokens."""
+    adapter, _ = internvl
+    images = [make_image(1, (150, 61)), make_image(2, (29, 200)), make_image(3, (40, 40))]
+    video = make_video(4, frames=3)
+    prompt = "<|im_start|>user\n<IMG_CONTEXT>\n<video>\n<IMG_CONTEXT><IMG_CONTEXT>Compare.<|im_end|>\n<|im_start|>assistant\n"
+    prepared = adapter.prepare(prompt, images, [video])
+    reference = adapter.processor(text=[prompt], images=images, videos=[video.frames], return_tensors="pt")
+    assert prepared.prompt_token_ids == reference["input_ids"][0].tolist()
+    assert torch.equal(collate(prepared.media)["pixel_values"], reference["pixel_values"])
+    # 150x61: 2x1 tiles + thumbnail; the video: one tile a frame; 29x200: 1x6 + thumbnail; 40x40: one tile
+    assert [item.tensors["pixel_values"].shape[0] for item in prepared.media] == [3, 3, 7, 1]
+    assert [item.num_tokens for item in prepared.media] == [n * TOKENS_PER_TILE for n in (3, 3, 7, 1)]
+    text = adapter.tokenizer.decode(prepared.prompt_token_ids)
+    assert "Frame1: <img>" in text and "Frame3: <img>" in text
+    assert adapter.check(prompt.replace("<video>\n", ""), images) == adapter.prepare(prompt.replace("<video>\n", ""), images).num_tokens
+
+
+def test_max_patches_per_row_changes_the_tiling(internvl):
+    adapter, hf_model = internvl
+    image = make_image(7, (200, 37))  # 5x1 tiles + thumbnail by default
+    prompt = internvl_prompt("Describe the image.", 1, False)
+    default = adapter.prepare(prompt, [image], max_tokens=6)
+    capped = adapter.prepare(prompt, [image], max_tokens=6, processor_kwargs={"max_patches": 2})
+    whole = adapter.prepare(prompt, [image], max_tokens=6, processor_kwargs={"crop_to_patches": False})
+    assert [p.media[0].tensors["pixel_values"].shape[0] for p in (default, capped, whole)] == [6, 3, 1]
+    assert len({p.media[0].content_hash for p in (default, capped, whole)}) == 3  # no cache entry is shared
+    assert adapter.check(prompt, [image], processor_kwargs={"max_patches": 2}) == capped.num_tokens
+    engine = _engine(adapter, 64)
+    for index, prepared in enumerate((default, capped, whole)):
+        engine.add_request(str(index), prepared, SamplingParams(max_tokens=6, temperature=0))
+    outputs = run_to_completion(engine)
+    for index, prepared in enumerate((default, capped, whole)):
+        assert outputs[str(index)].outputs[0].token_ids == hf_greedy(hf_model, adapter, prepared, 6)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_dynamic_patch": 4}, "unknown mm_processor_kwargs key 'max_dynamic_patch'"),
+    ({"max_patches": 0}, "must be a positive int"),
+    ({"max_patches": "4"}, "must be a positive int"),
+    ({"crop_to_patches": 1}, "must be a bool"),
+])
+def test_bad_processor_options_are_row_errors(internvl, kwargs, message):
+    adapter, _ = internvl
+    prompt = internvl_prompt("Describe.", 1, False)
+    for call in (adapter.prepare, adapter.check):
+        with pytest.raises(RowError, match=message) as info:
+            call(prompt, [make_image(1, (64, 64))], processor_kwargs=kwargs)
+        assert info.value.error_type == ErrorType.INVALID_ROW and info.value.param == "mm_processor_kwargs"
+
+
+# ---- everywhere the other families work: jobs, the dry run, serve -------------------------
+
+IMAGE_PROMPT = "<|im_start|>user\n<IMG_CONTEXT>\nDescribe it.<|im_end|>\n<|im_start|>assistant\n"
+VIDEO_PROMPT = "<|im_start|>user\n<video>\nWhat happens?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def media_folder(tmp_path_factory):
+    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
+
+    if not ffmpeg_available():
+        pytest.skip("needs ffmpeg to make the test video")
+    folder = tmp_path_factory.mktemp("internvl-media")
+    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
+    make_image(1, (200, 61)).save(folder / "wide.png")
+    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
+    return folder
+
+
+def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir, media_folder, tmp_path):
+    import json
+
+    import duckdb
+    from test_submit_e2e import vlmbatch
+
+    wide = str(media_folder / "wide.png")
+    rows = [
+        {"id": "image", "prompt": IMAGE_PROMPT, "image": wide},
+        {"id": "one-tile", "prompt": IMAGE_PROMPT, "image": wide, "mm_processor_kwargs": {"max_patches": 1}},
+        {"id": "video", "prompt": VIDEO_PROMPT, "video": str(media_folder / "h264_mp4.mp4"),
+         "media_io_kwargs": {"video": {"num_frames": 4}}},
+        {"id": "chat", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": wide}}, {"type": "text", "text": "What is it?"}]}]},
+        {"id": "bad-option", "prompt": IMAGE_PROMPT, "image": wide, "mm_processor_kwargs": {"tiles": 3}},
+        {"id": "corrupt", "prompt": IMAGE_PROMPT, "image": str(media_folder / "corrupt.png")},
+    ]
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = str(tiny_model_dir("internvl"))
+    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
+    assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
+    assert "invalid_row" in dry.stdout + dry.stderr
+    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4",
+                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = tmp_path / "out" / done.stdout.split()[0] / "results"
+    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
+    assert by_id["corrupt"]["error_type"] == "media_decode_error"
+    assert by_id["bad-option"]["error_type"] == "invalid_row" and "tiles" in by_id["bad-option"]["error"]
+    for key in ("image", "one-tile", "video", "chat"):
+        assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]
+    # 200x61: 3x1 tiles + thumbnail by default, one tile when capped (4 tokens a tile)
+    assert by_id["image"]["num_input_tokens"] - by_id["one-tile"]["num_input_tokens"] == 3 * TOKENS_PER_TILE
+    assert by_id["video"]["num_input_tokens"] > 4 * TOKENS_PER_TILE
+
+
+def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
+    import openai
+
+    from server_harness import data_url
+    from vlmbatch.testing.server_process import ServerProcess
+
+    model = str(tiny_model_dir("internvl"))
+    args = ["--model", model, "--allowed-local-media-path", str(media_folder), "--media-io-kwargs", '{"video": {"num_frames": 4}}']
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "wide.png").read_bytes())}}
+        video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
+        for parts in ([image], [video], [image, video]):
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
+                max_tokens=3, temperature=0,
+            )
+            assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 16
