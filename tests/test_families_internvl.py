@@ -122,7 +122,32 @@ def test_bad_processor_options_are_row_errors(internvl, kwargs, message):
         assert info.value.error_type == ErrorType.INVALID_ROW and info.value.param == "mm_processor_kwargs"
 
 
-# ---- everywhere the other families work: jobs, the dry run, serve -------------------------
+def test_chat_template_places_images_and_videos(internvl):
+    adapter, _ = internvl
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
+                                             {"type": "video_url", "video_url": {"url": "b.mp4"}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    assert adapter.apply_chat_template(messages) == (
+        "<|im_start|>user\n<IMG_CONTEXT>\n<video>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---- everywhere the other families work: LLM, jobs, the dry run, serve ---------------------
+
+
+def test_llm_takes_processor_options_per_prompt(tiny_model_dir):
+    from vlmbatch import LLM
+
+    llm = LLM(str(tiny_model_dir("internvl")), engine="paged", device="cpu", dtype="float32")
+    image = make_image(3, (200, 61))
+    prompt = internvl_prompt("Describe.", 1, False)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    tiled, whole = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}},
+                                 {"prompt": prompt, "multi_modal_data": {"image": image},
+                                  "mm_processor_kwargs": {"crop_to_patches": False}}], greedy, use_tqdm=False)
+    assert tiled.num_input_tokens - whole.num_input_tokens == 3 * TOKENS_PER_TILE  # 3x1 tiles + thumbnail vs one
+    with pytest.raises(RowError, match="unknown mm_processor_kwargs key 'tiles'"):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}, "mm_processor_kwargs": {"tiles": 1}}, greedy)
+
 
 IMAGE_PROMPT = "<|im_start|>user\n<IMG_CONTEXT>\nDescribe it.<|im_end|>\n<|im_start|>assistant\n"
 VIDEO_PROMPT = "<|im_start|>user\n<video>\nWhat happens?<|im_end|>\n<|im_start|>assistant\n"
@@ -196,3 +221,10 @@ def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
                 max_tokens=3, temperature=0,
             )
             assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 16
+        ask = dict(model=model, messages=[{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}],
+                   max_tokens=2, temperature=0)
+        tiled = client.chat.completions.create(**ask)
+        one_tile = client.chat.completions.create(**ask, extra_body={"mm_processor_kwargs": {"max_patches": 1}})
+        assert tiled.usage.prompt_tokens - one_tile.usage.prompt_tokens == 3 * TOKENS_PER_TILE
+        with pytest.raises(openai.BadRequestError, match="mm_processor_kwargs"):
+            client.chat.completions.create(**ask, extra_body={"mm_processor_kwargs": {"max_dynamic_patch": 1}})
