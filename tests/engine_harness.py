@@ -88,6 +88,20 @@ def run_greedy(engine, adapter, requests) -> tuple[dict, dict]:
     return prepared, run_to_completion(engine)
 
 
+def assert_greedy_matches_transformers(engine, adapter, hf_model, requests) -> dict:
+    """Run `requests` greedily; every output must equal `generate()`'s tokens, and batching,
+    chunked prefill, preemption and prefix- and encoder-cache hits must all have happened.
+    Returns {id: (prepared prompt, max_tokens)}."""
+    prepared, outputs = run_greedy(engine, adapter, requests)
+    assert sorted(outputs) == sorted(prepared)
+    for request_id, (prompt, max_tokens) in prepared.items():
+        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
+    stats = engine.stats
+    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
+    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    return prepared
+
+
 def run_to_completion(engine) -> dict:
     finished = {}
     while engine.has_unfinished_requests():

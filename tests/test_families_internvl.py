@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import build_requests, hf_greedy, internvl_prompt, make_image, make_video, run_greedy, run_to_completion
+from engine_harness import (assert_greedy_matches_transformers, build_requests, hf_greedy, internvl_prompt, make_image,
+                            make_video, run_to_completion)
+from test_families_qwen3_vl import media_folder  # noqa: F401  (a video, odd.png of 97x61, corrupt.png)
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -49,13 +51,7 @@ def _assert_matches_transformers(internvl, count: int, seed: int, num_kv_blocks:
     adapter, hf_model = internvl
     engine = _engine(adapter, num_kv_blocks)
     requests = build_requests(adapter, "internvl", count, seed=seed, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
-    prepared, outputs = run_greedy(engine, adapter, requests)
-    assert sorted(outputs) == sorted(prepared)
-    for request_id, (prompt, max_tokens) in prepared.items():
-        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
-    stats = engine.stats
-    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
-    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    prepared = assert_greedy_matches_transformers(engine, adapter, hf_model, requests)
     assert any(videos for *_, videos, _ in requests) and max(len(images) for _, _, images, _, _ in requests) >= 2
     tiles = {item.tensors["pixel_values"].shape[0] for prompt, _ in prepared.values() for item in prompt.media}
     assert len(tiles) >= 3  # the images' aspect ratios gave several tilings
@@ -153,34 +149,21 @@ IMAGE_PROMPT = "<|im_start|>user\n<IMG_CONTEXT>\nDescribe it.<|im_end|>\n<|im_st
 VIDEO_PROMPT = "<|im_start|>user\n<video>\nWhat happens?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def media_folder(tmp_path_factory):
-    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
-
-    if not ffmpeg_available():
-        pytest.skip("needs ffmpeg to make the test video")
-    folder = tmp_path_factory.mktemp("internvl-media")
-    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
-    make_image(1, (200, 61)).save(folder / "wide.png")
-    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
-    return folder
-
-
 def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir, media_folder, tmp_path):
     import json
 
     import duckdb
     from test_submit_e2e import vlmbatch
 
-    wide = str(media_folder / "wide.png")
+    odd = str(media_folder / "odd.png")
     rows = [
-        {"id": "image", "prompt": IMAGE_PROMPT, "image": wide},
-        {"id": "one-tile", "prompt": IMAGE_PROMPT, "image": wide, "mm_processor_kwargs": {"max_patches": 1}},
+        {"id": "image", "prompt": IMAGE_PROMPT, "image": odd},
+        {"id": "one-tile", "prompt": IMAGE_PROMPT, "image": odd, "mm_processor_kwargs": {"max_patches": 1}},
         {"id": "video", "prompt": VIDEO_PROMPT, "video": str(media_folder / "h264_mp4.mp4"),
          "media_io_kwargs": {"video": {"num_frames": 4}}},
         {"id": "chat", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": wide}}, {"type": "text", "text": "What is it?"}]}]},
-        {"id": "bad-option", "prompt": IMAGE_PROMPT, "image": wide, "mm_processor_kwargs": {"tiles": 3}},
+            {"type": "image_url", "image_url": {"url": odd}}, {"type": "text", "text": "What is it?"}]}]},
+        {"id": "bad-option", "prompt": IMAGE_PROMPT, "image": odd, "mm_processor_kwargs": {"tiles": 3}},
         {"id": "corrupt", "prompt": IMAGE_PROMPT, "image": str(media_folder / "corrupt.png")},
     ]
     dataset = tmp_path / "rows.jsonl"
@@ -198,12 +181,12 @@ def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir,
     assert by_id["bad-option"]["error_type"] == "invalid_row" and "tiles" in by_id["bad-option"]["error"]
     for key in ("image", "one-tile", "video", "chat"):
         assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]
-    # 200x61: 3x1 tiles + thumbnail by default, one tile when capped (4 tokens a tile)
-    assert by_id["image"]["num_input_tokens"] - by_id["one-tile"]["num_input_tokens"] == 3 * TOKENS_PER_TILE
+    # 97x61: 3x2 tiles + thumbnail by default, one tile when capped
+    assert by_id["image"]["num_input_tokens"] - by_id["one-tile"]["num_input_tokens"] == 6 * TOKENS_PER_TILE
     assert by_id["video"]["num_input_tokens"] > 4 * TOKENS_PER_TILE
 
 
-def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
+def test_serve_answers_images_and_videos_with_tiling_options(tiny_model_dir, media_folder):
     import openai
 
     from server_harness import data_url
@@ -211,20 +194,19 @@ def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
 
     model = str(tiny_model_dir("internvl"))
     args = ["--model", model, "--allowed-local-media-path", str(media_folder), "--media-io-kwargs", '{"video": {"num_frames": 4}}']
+    image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "odd.png").read_bytes())}}
+    video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
     with ServerProcess(args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "wide.png").read_bytes())}}
-        video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
-        for parts in ([image], [video], [image, video]):
-            reply = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
-                max_tokens=3, temperature=0,
-            )
-            assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 16
-        ask = dict(model=model, messages=[{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}],
-                   max_tokens=2, temperature=0)
-        tiled = client.chat.completions.create(**ask)
-        one_tile = client.chat.completions.create(**ask, extra_body={"mm_processor_kwargs": {"max_patches": 1}})
-        assert tiled.usage.prompt_tokens - one_tile.usage.prompt_tokens == 3 * TOKENS_PER_TILE
+
+        def ask(*parts, **extra):
+            messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
+            return client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, **extra)
+
+        both = ask(image, video)
+        assert both.choices[0].finish_reason in ("stop", "length")
+        tiled, one_tile = ask(image), ask(image, extra_body={"mm_processor_kwargs": {"max_patches": 1}})
+        assert both.usage.prompt_tokens - tiled.usage.prompt_tokens >= 4 * TOKENS_PER_TILE  # a tile a frame
+        assert tiled.usage.prompt_tokens - one_tile.usage.prompt_tokens == 6 * TOKENS_PER_TILE
         with pytest.raises(openai.BadRequestError, match="mm_processor_kwargs"):
-            client.chat.completions.create(**ask, extra_body={"mm_processor_kwargs": {"max_dynamic_patch": 1}})
+            ask(image, extra_body={"mm_processor_kwargs": {"max_dynamic_patch": 1}})
