@@ -210,3 +210,24 @@ def test_serve_answers_images_and_videos_with_tiling_options(tiny_model_dir, med
         assert tiled.usage.prompt_tokens - one_tile.usage.prompt_tokens == 6 * TOKENS_PER_TILE
         with pytest.raises(openai.BadRequestError, match="mm_processor_kwargs"):
             ask(image, extra_body={"mm_processor_kwargs": {"max_dynamic_patch": 1}})
+
+
+def test_the_8b_bench_folder_keeps_the_published_sizes_and_tokens(tmp_path):
+    """`bench engine --model-shape internvl3_8b` runs from this folder (ours, generate(), vLLM's dummy loader)."""
+    import json
+
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor
+
+    from vlmbatch.bench.shapes import resolve_shape, write_model_folder
+
+    path = write_model_folder(resolve_shape("internvl3_8b"), tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["InternVLForConditionalGeneration"] and config.text_config.model_type == "qwen2"
+    assert (config.text_config.hidden_size, config.text_config.num_hidden_layers, config.vision_config.num_hidden_layers) == (3584, 28, 24)
+    processor = AutoProcessor.from_pretrained(path)
+    assert processor.image_seq_length == config.image_seq_length == 256
+    assert json.loads((path / "video_preprocessor_config.json").read_text())["size"] == {"height": 448, "width": 448}
+    adapter = load_adapter(str(path))
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + 256  # one tile, no thumbnail
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (896, 448))]) == 2 + 3 * 256  # 2x1 + thumbnail

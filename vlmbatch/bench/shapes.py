@@ -32,6 +32,7 @@ class ModelShape:
     vision: dict[str, Any] = field(default_factory=dict)  # vision_config values
     top: dict[str, Any] = field(default_factory=dict)  # top-level config values
     image_processor: dict[str, Any] = field(default_factory=dict)  # image processor values (`size` bounds, patch...)
+    video_processor: dict[str, Any] = field(default_factory=dict)  # video processor values (InternVL: frame size)
     processor: dict[str, Any] = field(default_factory=dict)  # processor values (InternVL: tokens a tile)
     text_json_extra: dict[str, Any] = field(default_factory=dict)  # written into config.json's text_config for older readers
     source: str = ""
@@ -67,6 +68,8 @@ _INTERNVL3_8B = dict(
     top={"tie_word_embeddings": False, "image_seq_length": 256, "downsample_ratio": 0.5},
     image_processor={"size": {"height": 448, "width": 448}, "max_patches": 12, "min_patches": 1,
                      "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]},
+    video_processor={"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+                     "image_std": [0.229, 0.224, 0.225]},
     processor={"image_seq_length": 256},
 )
 
@@ -157,14 +160,17 @@ def write_model_folder(shape: ModelShape, root: Path) -> Path:
         written = json.loads((path / "config.json").read_text())
         written["text_config"].update(shape.text_json_extra)
         (path / "config.json").write_text(json.dumps(written, indent=2))
-    if shape.image_processor or shape.processor:
+    if shape.image_processor or shape.video_processor or shape.processor:
         processor = AutoProcessor.from_pretrained(path)
-        for key, value in shape.image_processor.items():
-            setattr(processor.image_processor, key, value)
-        for key, value in shape.processor.items():
-            setattr(processor, key, value)
+        parts = ((processor.image_processor, shape.image_processor), (processor, shape.processor),
+                 (getattr(processor, "video_processor", None), shape.video_processor))
+        for target, values in parts:
+            for key, value in values.items():
+                setattr(target, key, value)
         processor.save_pretrained(path)
         processor.image_processor.save_pretrained(path)  # preprocessor_config.json, which other readers take
+        if shape.video_processor:
+            processor.video_processor.save_pretrained(path)  # video_preprocessor_config.json
     return path
 
 
