@@ -149,6 +149,7 @@ IMAGE_PROMPT = "<|im_start|>user\n<IMG_CONTEXT>\nDescribe it.<|im_end|>\n<|im_st
 VIDEO_PROMPT = "<|im_start|>user\n<video>\nWhat happens?<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.slow
 def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir, media_folder, tmp_path):
     import json
 
@@ -186,6 +187,7 @@ def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir,
     assert by_id["video"]["num_input_tokens"] > 4 * TOKENS_PER_TILE
 
 
+@pytest.mark.slow
 def test_serve_answers_images_and_videos_with_tiling_options(tiny_model_dir, media_folder):
     import openai
 
