@@ -226,6 +226,7 @@ def test_the_8b_bench_folder_keeps_the_published_sizes_and_tokens(tmp_path):
     path = write_model_folder(resolve_shape("internvl3_8b"), tmp_path)
     config = AutoConfig.from_pretrained(path)
     assert config.architectures == ["InternVLForConditionalGeneration"] and config.text_config.model_type == "qwen2"
+    assert config.text_config.architectures == ["Qwen2ForCausalLM"]
     assert (config.text_config.hidden_size, config.text_config.num_hidden_layers, config.vision_config.num_hidden_layers) == (3584, 28, 24)
     processor = AutoProcessor.from_pretrained(path)
     assert processor.image_seq_length == config.image_seq_length == 256

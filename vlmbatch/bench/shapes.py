@@ -61,7 +61,8 @@ _QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "pat
 _INTERNVL3_8B = dict(
     text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
               vocab_size=151674, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+              architectures=["Qwen2ForCausalLM"]),  # vLLM builds the inner language model from it
     vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=[448, 448],
                 patch_size=[14, 14], attention_bias=True, norm_type="layer_norm", use_qk_norm=False, layer_norm_eps=1e-6,
                 layer_scale_init_value=0.1, use_mean_pooling=True),
