@@ -234,3 +234,23 @@ def test_the_8b_bench_folder_keeps_the_published_sizes_and_tokens(tmp_path):
     adapter = load_adapter(str(path))
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + 256  # one tile, no thumbnail
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (896, 448))]) == 2 + 3 * 256  # 2x1 + thumbnail
+
+
+def test_jpeg_rows_keep_the_cpu_path_when_the_engine_would_decode_them(tiny_model_dir, tmp_path):
+    """The engine's GPU decoder runs the image processor alone, which does not tile: InternVL
+    rows decode on the CPU even where the engine decodes other families' JPEGs."""
+    import io
+
+    from vlmbatch.config import MediaConfig
+    from vlmbatch.io.readers import ColumnMap
+    from vlmbatch.job.prepare import media_loader_for, prepare_row
+
+    adapter = load_adapter(str(tiny_model_dir("internvl")))
+    assert not adapter.accepts_encoded_images
+    buffer = io.BytesIO()
+    make_image(2, (150, 61)).save(buffer, format="JPEG", quality=90)
+    media = media_loader_for(tmp_path / "data.jsonl", None, MediaConfig())
+    row = prepare_row(0, {"prompt": IMAGE_PROMPT, "image": buffer.getvalue()}, ColumnMap(), SamplingParams(max_tokens=4),
+                      adapter, media, defer_jpegs=True)
+    assert row.error is None and [i.encoded for i in row.prepared.media] == [None]
+    assert row.prepared.media[0].tensors["pixel_values"].shape[0] == 3  # 2x1 tiles + thumbnail
