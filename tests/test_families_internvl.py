@@ -236,9 +236,11 @@ def test_the_8b_bench_folder_keeps_the_published_sizes_and_tokens(tmp_path):
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (896, 448))]) == 2 + 3 * 256  # 2x1 + thumbnail
 
 
-def test_jpeg_rows_keep_the_cpu_path_when_the_engine_would_decode_them(tiny_model_dir, tmp_path):
-    """The engine's GPU decoder runs the image processor alone, which does not tile: InternVL
-    rows decode on the CPU even where the engine decodes other families' JPEGs."""
+def test_rows_take_tiling_options_and_keep_jpegs_on_the_cpu_path(tiny_model_dir, tmp_path):
+    """A row's `mm_processor_kwargs` reach the processor (and the dry run's count); a bad one
+    is that row's `invalid_row`. The engine's GPU decoder runs the image processor alone,
+    which does not tile: InternVL rows decode on the CPU even where the engine decodes other
+    families' JPEGs."""
     import io
 
     from vlmbatch.config import MediaConfig
@@ -250,7 +252,16 @@ def test_jpeg_rows_keep_the_cpu_path_when_the_engine_would_decode_them(tiny_mode
     buffer = io.BytesIO()
     make_image(2, (150, 61)).save(buffer, format="JPEG", quality=90)
     media = media_loader_for(tmp_path / "data.jsonl", None, MediaConfig())
-    row = prepare_row(0, {"prompt": IMAGE_PROMPT, "image": buffer.getvalue()}, ColumnMap(), SamplingParams(max_tokens=4),
-                      adapter, media, defer_jpegs=True)
-    assert row.error is None and [i.encoded for i in row.prepared.media] == [None]
-    assert row.prepared.media[0].tensors["pixel_values"].shape[0] == 3  # 2x1 tiles + thumbnail
+
+    def row(options=None, **kwargs):
+        raw = {"prompt": IMAGE_PROMPT, "image": buffer.getvalue(), "mm_processor_kwargs": options}
+        return prepare_row(0, raw, ColumnMap(), SamplingParams(max_tokens=4), adapter, media, **kwargs)
+
+    tiled, one_tile = row(defer_jpegs=True), row('{"max_patches": 1}', defer_jpegs=True)  # a JSON string column too
+    assert tiled.error is None and [i.encoded for i in tiled.prepared.media] == [None]
+    assert [r.prepared.media[0].tensors["pixel_values"].shape[0] for r in (tiled, one_tile)] == [3, 1]  # 2x1 + thumbnail
+    assert row({"max_patches": 1}, check_only=True).error is None
+    for bad in ({"tiles": 2}, {"max_patches": -1}, "[1]"):
+        for kwargs in ({}, {"check_only": True}):
+            error = row(bad, **kwargs).error
+            assert error is not None and error.error_type == ErrorType.INVALID_ROW and error.param == "mm_processor_kwargs"
