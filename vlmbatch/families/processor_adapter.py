@@ -182,9 +182,12 @@ class ProcessorAdapter(ModelAdapter):
         """Tokens of one image of this size, memoised: datasets repeat sizes, the formula is slow."""
         cache = self.__dict__.setdefault("_image_token_cache", {})
         if (height, width) not in cache:
-            counts = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens
-            cache[(height, width)] = counts[0]
+            cache[(height, width)] = self._count_image_tokens(height, width)
         return cache[(height, width)]
+
+    def _count_image_tokens(self, height: int, width: int) -> int:
+        """What one image's placeholder expands to, in tokens (the processor's own formula)."""
+        return self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens[0]
 
     def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
         """`prepare` for images the engine will decode: the same token ids, counted from each
@@ -219,6 +222,13 @@ class ProcessorAdapter(ModelAdapter):
         max_tokens: int = 0,
     ) -> PreparedPrompt:
         images, videos = list(images or []), list(videos or [])
+        token_ids, tensors = self._process(prompt, images, videos, max_tokens)
+        media = self.media_items(tensors, [media_hash(m) for m in [*images, *videos]]) if images or videos else []
+        return PreparedPrompt(prompt_token_ids=token_ids, media=media, prompt=prompt)
+
+    def _process(self, prompt: str, images: list[Any], videos: list[VideoFrames],
+                 max_tokens: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """`prepare`'s checks and the processor's run: the token ids and the per-media tensors."""
         self._validate(prompt, images, videos)
         try:
             processed = self.processor(
@@ -233,5 +243,4 @@ class ProcessorAdapter(ModelAdapter):
             for key, value in processed.items()
             if key not in _PER_TOKEN_KEYS
         }
-        media = self.media_items(tensors, [media_hash(m) for m in [*images, *videos]]) if images or videos else []
-        return PreparedPrompt(prompt_token_ids=token_ids, media=media, prompt=prompt)
+        return token_ids, tensors
