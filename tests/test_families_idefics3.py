@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import build_requests, hf_greedy, make_image, make_video, run_greedy, smolvlm_prompt
+from engine_harness import build_requests, hf_greedy, make_image, make_video, run_greedy
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -55,3 +55,147 @@ def test_mixed_requests_match_transformers(idefics3):
 @pytest.mark.slow
 def test_fifty_mixed_requests_match_transformers(idefics3):
     _check_mixed_requests(*idefics3, count=50, seed=5)
+
+
+# ---- the adapters: tiles, the dry-run count, placeholders, media each family refuses --------
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir):
+    return {arch: load_adapter(str(tiny_model_dir(arch))) for arch in ARCHS}
+
+
+def _prompt(arch: str, media: str) -> str:
+    return ("<|im_start|>" if arch == "smolvlm" else "") + f"User:{media}<end_of_utterance>\nAssistant:"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_image_is_its_tiles_and_the_dry_run_counts_them(adapters, arch):
+    """One item per image holding its tiles (rows x cols + the global image), together exactly
+    the processor's pixels; `check` counts what `prepare` builds for odd sizes, without pixels."""
+    adapter = adapters[arch]
+    prompt = _prompt(arch, "<image>Compare<image>and<image>")
+    for sizes in ([(200, 29), (23, 61), (97, 97)], [(32, 32), (131, 150), (37, 200)]):
+        images = [make_image(i, size) for i, size in enumerate(sizes)]
+        prepared = adapter.prepare(prompt, images)
+        assert adapter.check(prompt, images) == prepared.num_tokens
+        whole = adapter.processor(text=[prompt], images=images, return_tensors="pt")
+        assert prepared.prompt_token_ids == whole["input_ids"][0].tolist()
+        assert torch.equal(adapter.hf_media_inputs(prepared.media)["pixel_values"], whole["pixel_values"])
+        seq_len = adapter.processor.image_seq_len
+        assert [m.num_tokens for m in prepared.media] == [len(m.tensors["pixel_values"]) * seq_len for m in prepared.media]
+        assert sum(m.num_tokens for m in prepared.media) == prepared.prompt_token_ids.count(adapter.image_token_id)
+    wide, tall = (adapter.prepare(_prompt(arch, "<image>"), [make_image(0, size)]).media[0] for size in ((200, 29), (29, 200)))
+    assert len(wide.tensors["pixel_values"]) == len(tall.tensors["pixel_values"]) == 4  # 1x3 and 3x1 tiles + global
+    assert not adapter.accepts_encoded_images  # tiling needs the pixels: jobs decode JPEGs on the CPU
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_placeholders_and_unsupported_media_are_row_errors(adapters, arch):
+    adapter = adapters[arch]
+    with pytest.raises(RowError) as info:
+        adapter.prepare(_prompt(arch, "<image><image>"), [make_image(0, (40, 40))])
+    assert info.value.error_type == ErrorType.PLACEHOLDER_MISMATCH
+    with pytest.raises(RowError) as info:
+        adapter.prepare(_prompt(arch, "<image><video>" if arch == "smolvlm" else "<image>"),
+                        [make_image(0, (40, 40))], [make_video(1)])
+    assert info.value.error_type == ErrorType.UNSUPPORTED_MEDIA  # Idefics3: no video; SmolVLM: not with images
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    assert adapter.apply_chat_template(messages) == _prompt(arch, "<image>What is this?")
+
+
+def test_smolvlm_videos_are_timestamped_frames(adapters):
+    """A video is one single-tile image per frame after its real timestamp, as the processor
+    writes it; frames of a variable-frame-rate clip keep their own times."""
+    adapter = adapters["smolvlm"]
+    uneven = make_video(1, frames=4)
+    uneven.timestamps, uneven.duration = [0.0, 1.0, 61.0, 125.0], 126.0
+    prepared = adapter.prepare(_prompt("smolvlm", "<video>What happens?"), videos=[uneven])
+    text = adapter.tokenizer.decode(prepared.prompt_token_ids)
+    assert "series of four frames from a 0:02:06 [H:MM:SS] video" in text
+    assert [text.count(f"Frame from {t}:") for t in ("00:00", "00:01", "01:01", "02:05")] == [1, 1, 1, 1]
+    (video,) = prepared.media
+    assert video.tensors["pixel_values"].shape == (4, 3, 32, 32) and video.num_tokens == 4 * adapter.processor.image_seq_len
+    two = adapter.prepare(_prompt("smolvlm", "<video>and<video>"), videos=[make_video(2, frames=4), make_video(3, frames=2)])
+    assert [len(m.tensors["pixel_values"]) for m in two.media] == [4, 2]  # each video's own frames, not the padding
+
+
+# ---- everywhere the other families work: jobs, the dry run, serve -------------------------
+
+
+@pytest.fixture(scope="module")
+def media_folder(tmp_path_factory):
+    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
+
+    if not ffmpeg_available():
+        pytest.skip("needs ffmpeg to make the test video")
+    folder = tmp_path_factory.mktemp("idefics3-media")
+    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
+    make_image(1, (97, 61)).save(folder / "odd.png")
+    make_image(2, (30, 140)).convert("RGB").save(folder / "tall.jpg")
+    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_job_with_images_a_video_and_bad_rows_completes(arch, tiny_model_dir, media_folder, tmp_path):
+    import json
+
+    import duckdb
+    from test_submit_e2e import vlmbatch
+
+    video = str(media_folder / "h264_mp4.mp4")
+    rows = [
+        {"id": "image", "prompt": _prompt(arch, "<image>Describe it."), "image": str(media_folder / "odd.png")},
+        {"id": "two-images", "prompt": _prompt(arch, "<image><image>Compare."),
+         "images": [str(media_folder / "odd.png"), str(media_folder / "tall.jpg")]},
+        {"id": "chat", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(media_folder / "tall.jpg")}},
+            {"type": "text", "text": "What is it?"}]}]},
+        {"id": "video", "prompt": _prompt(arch, "<video>What happens?"), "video": video,
+         "media_io_kwargs": {"video": {"num_frames": 3}}},
+        {"id": "corrupt", "prompt": _prompt(arch, "<image>Describe it."), "image": str(media_folder / "corrupt.png")},
+    ]
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = str(tiny_model_dir(arch))
+    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
+    assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
+    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4",
+                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = tmp_path / "out" / done.stdout.split()[0] / "results"
+    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
+    assert by_id["corrupt"]["error_type"] == "media_decode_error"
+    assert by_id["video"]["error_type"] == (None if arch == "smolvlm" else "unsupported_media"), by_id["video"]
+    for key in ("image", "two-images", "chat", *(["video"] if arch == "smolvlm" else [])):
+        assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]
+    assert by_id["two-images"]["num_input_tokens"] > by_id["image"]["num_input_tokens"]
+
+
+def test_serve_answers_images_and_videos_and_refuses_both_at_once(tiny_model_dir, media_folder):
+    import openai
+
+    from server_harness import data_url
+    from vlmbatch.testing.server_process import ServerProcess
+
+    model = str(tiny_model_dir("smolvlm"))
+    args = ["--model", model, "--allowed-local-media-path", str(media_folder), "--media-io-kwargs", '{"video": {"num_frames": 4}}']
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "odd.png").read_bytes())}}
+        video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
+
+        def ask(*parts):
+            return client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
+                max_tokens=3, temperature=0,
+            )
+
+        for parts in ([image], [image, image], [video]):
+            reply = ask(*parts)
+            assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 20
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask(image, video)
+        assert bad.value.body["code"] == "unsupported_media"
