@@ -51,9 +51,8 @@ def _hf_generate(
 ) -> list[list[int]]:
     """The reference: the checkpoint's own processor and `generate()`, nothing of ours."""
     processor, model = _hf_model(path, device, dtype)
-    flat = [img for imgs in images for img in imgs]
-    nested = type(processor).__name__.startswith("SmolVLM")  # its processor takes each prompt's images as a list
-    inputs = processor(text=prompts, images=images if nested else flat, padding=True, padding_side="left", return_tensors="pt")
+    # each prompt's images as a list of their own: every processor takes that (SmolVLM's only that)
+    inputs = processor(text=prompts, images=images, padding=True, padding_side="left", return_tensors="pt")
     inputs = inputs.to(device, dtype=dtype)  # casts the pixels only, as our engine does
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
