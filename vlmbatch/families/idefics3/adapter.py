@@ -40,13 +40,8 @@ class Idefics3Adapter(ProcessorAdapter):
         expanded = self.processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
         return len(self.tokenizer(expanded, add_special_tokens=False)["input_ids"])
 
-    def prepare(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-    ) -> PreparedPrompt:
+    def prepare(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+                max_tokens: int = 0) -> PreparedPrompt:
         images, videos = list(images or []), list(videos or [])
         token_ids, tensors = self._process(prompt, images, videos, max_tokens)
         hashes = [media_hash(m) for m in [*images, *videos]]
