@@ -1,6 +1,6 @@
 """Tiny random-weight Idefics3 checkpoints: a SigLIP-style tower on 32 px tiles (4x4 patches
-of 8 px), a pixel-shuffle connector (scale 2: 4 tokens a tile), a Llama decoder with GQA,
-and images split into up to 3x3 tiles plus the global image (longest edge 96 px).
+of 8 px), a pixel-shuffle connector (scale 2: 4 tokens a tile), a Llama decoder, and
+images split into up to 3x3 tiles plus the global image (longest edge 96 px).
 
 `smolvlm/tiny.py` builds on these pieces with SmolVLM's processor, video included.
 """
@@ -46,13 +46,13 @@ def tokenizer(bos: str, eos: str, pad: str, add_bos: bool) -> Any:
     return tok
 
 
-def config_parts(tok: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def config_parts(tok: Any, num_key_value_heads: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(text config, vision config, top-level values) of the tiny configs."""
     text_config = dict(
         model_type="llama",
         vocab_size=padded_vocab(tok),
         **TINY_DECODER,
-        num_key_value_heads=2,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         rms_norm_eps=1e-5,
@@ -78,6 +78,6 @@ def make_tiny_checkpoint(dir: str | Path, seed: int = 0) -> Path:
     tok = tokenizer("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", add_bos=True)
     proc = Idefics3Processor(image_processor=Idefics3ImageProcessor(**IMAGE_PROCESSOR), tokenizer=tok,
                              image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE)
-    text_config, vision_config, top = config_parts(tok)
+    text_config, vision_config, top = config_parts(tok, num_key_value_heads=2)  # GQA, as Idefics3-8B's Llama 3
     config = Idefics3Config(text_config=text_config, vision_config=vision_config, **top)
     return save_checkpoint(dir, config, proc, eos_token_ids(config), seed)

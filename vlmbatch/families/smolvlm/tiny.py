@@ -21,6 +21,6 @@ def make_tiny_checkpoint(dir: str | Path, seed: int = 0) -> Path:
     proc = SmolVLMProcessor(image_processor=SmolVLMImageProcessor(**IMAGE_PROCESSOR), tokenizer=tok,
                             video_processor=SmolVLMVideoProcessor(**VIDEO_PROCESSOR), image_seq_len=IMAGE_SEQ_LEN,
                             chat_template=DEFAULT_CHAT_TEMPLATE)
-    text_config, vision_config, top = config_parts(tok)
+    text_config, vision_config, top = config_parts(tok, num_key_value_heads=4)  # no GQA, as SmolVLM2-2.2B's SmolLM2
     config = SmolVLMConfig(text_config=text_config, vision_config=vision_config, **top)
     return save_checkpoint(dir, config, proc, eos_token_ids(config), seed)
