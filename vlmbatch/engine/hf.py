@@ -23,7 +23,7 @@ from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.stopping import find_stop
 from vlmbatch.families.adapter import ModelAdapter
-from vlmbatch.families.prompt import PreparedPrompt, collate
+from vlmbatch.families.prompt import PreparedPrompt
 
 DEFAULT_MAX_BATCH_SIZE = 64
 
@@ -70,7 +70,7 @@ def generate_inputs(hf_model: torch.nn.Module, adapter: ModelAdapter, prompts: l
     inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
     if "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:
         inputs["mm_token_type_ids"] = adapter.mm_token_type_ids(input_ids)
-    inputs.update(collate([item for p in prompts for item in p.media]))
+    inputs.update(adapter.hf_media_inputs([item for p in prompts for item in p.media]))
     device, dtype = next(hf_model.parameters()).device, hf_model.dtype
     return {k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device) for k, v in inputs.items()}
 

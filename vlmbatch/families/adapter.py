@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from vlmbatch.families.prompt import PreparedPrompt
+from vlmbatch.families.prompt import MediaItem, PreparedPrompt, collate
 from vlmbatch.families.registry import Family
 from vlmbatch.media.types import EncodedImage, VideoFrames
 
@@ -61,6 +61,12 @@ class ModelAdapter(ABC):
         carry the encoded bytes instead of pixels. Families that cannot count an image's
         tokens from its size alone do not override it (the job then decodes on the CPU)."""
         raise NotImplementedError(f"{self.family.name} cannot defer image decoding to the engine")
+
+    def hf_media_inputs(self, items: list[MediaItem]) -> dict[str, Any]:
+        """Decoded items of a batch of prompts as `transformers`' forward takes them (the hf
+        engine and the reference): their tensors concatenated in order, unless the family's
+        model wants another layout."""
+        return collate(items)
 
     @property
     def accepts_encoded_images(self) -> bool:

@@ -210,9 +210,12 @@ class ProcessorAdapter(ModelAdapter):
         cache = self.__dict__.setdefault("_image_token_cache", {})
         key = (height, width, json.dumps(processor_kwargs or {}, sort_keys=True, default=str))
         if key not in cache:
-            counts = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)], **(processor_kwargs or {}))
-            cache[key] = counts.num_image_tokens[0]
+            cache[key] = self._count_image_tokens(height, width, processor_kwargs or {})
         return cache[key]
+
+    def _count_image_tokens(self, height: int, width: int, processor_kwargs: dict[str, Any]) -> int:
+        """What one image's placeholder expands to, in tokens (the processor's own formula)."""
+        return self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)], **processor_kwargs).num_image_tokens[0]
 
     def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
         """`prepare` for images the engine will decode: the same token ids, counted from each

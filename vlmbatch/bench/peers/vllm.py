@@ -54,7 +54,10 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def vllm_requests(workload: Workload) -> list[dict[str, Any]]:
-    """The workload as vLLM prompts: its token ids with one placeholder per image, its PIL images."""
+    """The workload as vLLM prompts: its token ids with one placeholder per image, its PIL
+    images. The placeholder is the family adapter's (`<|image_pad|>` in Qwen's vision markers,
+    LLaVA's and Idefics3/SmolVLM's `<image>`): vLLM's processor of each family replaces that
+    one token by the image's expansion (Idefics3/SmolVLM: tile markers and the global image)."""
     prompts = []
     for index, request in enumerate(workload.requests):
         images = workload.images(index)
