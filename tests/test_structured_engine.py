@@ -145,3 +145,33 @@ def test_ignore_eos_does_not_run_past_the_grammar(adapter):
     output = run(paged_engine(adapter), adapter, {"a": params})["a"].outputs[0]
     assert output.text in ("yes", "no", "maybe") and output.finish_reason == "stop"
     assert output.token_ids[-1] in adapter.eos_token_ids
+
+
+def test_llm_generate_and_chat_take_specs(tiny_qwen):
+    """`SamplingParams(structured_output=...)` and the vLLM-like keywords (a pydantic model
+    for `guided_json`); a bad spec raises its RowError before anything runs."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    from vlmbatch.engine.llm import LLM
+    from vlmbatch.errors import RowError
+
+    class Pet(BaseModel):
+        name: str = Field(pattern="^[a-z]{1,5}$")
+        kind: Literal["cat", "dog"]
+
+    llm = LLM(str(tiny_qwen), dtype="float32", device="cpu", num_kv_blocks=256, block_size=4)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    [by_params] = llm.generate("a pet:", SamplingParams(max_tokens=100, temperature=0, structured_output=CHOICE), use_tqdm=False)
+    assert by_params.outputs[0].text in ("yes", "no", "maybe")
+    [pet] = llm.chat([{"role": "user", "content": "a pet as JSON"}], greedy, use_tqdm=False, guided_json=Pet)
+    assert Pet.model_validate_json(pet.outputs[0].text).kind in ("cat", "dog")
+    formatted = llm.generate(["x", "y"], greedy, use_tqdm=False, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": NESTED_SCHEMA}})
+    for output in formatted:
+        jsonschema.validate(json.loads(output.outputs[0].text), NESTED_SCHEMA)
+    with pytest.raises(RowError) as bad:
+        llm.generate("x", greedy, use_tqdm=False, guided_regex="(unclosed")
+    assert bad.value.param == "guided_regex"
+    with pytest.raises(TypeError, match="guided_jsn"):
+        llm.generate("x", greedy, use_tqdm=False, guided_jsn={})
