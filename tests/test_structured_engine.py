@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import torch
 from engine_harness import qwen_prompt, run_to_completion
-from structured_harness import NESTED_SCHEMA
+from structured_harness import NESTED_SCHEMA, single_torch_thread  # noqa: F401  (autouse fixture)
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.hf import HFEngine
@@ -28,14 +28,6 @@ from vlmbatch.structured.spec import parse_structured_output
 NESTED = parse_structured_output({"guided_json": NESTED_SCHEMA})
 CHOICE = parse_structured_output({"guided_choice": ["yes", "no", "maybe"]})
 MAX_TOKENS = 400
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import jsonschema
 import pyarrow.parquet as pq
 import pytest
 import torch
-from structured_harness import NESTED_SCHEMA
+from structured_harness import NESTED_SCHEMA, single_torch_thread  # noqa: F401  (autouse fixture)
 
 from vlmbatch import job as jobs
 from vlmbatch.config import EngineConfig, MediaConfig, WorkerConfig
@@ -21,14 +21,6 @@ from vlmbatch.errors import ErrorType
 from vlmbatch.job.plan import structured_output_option
 from vlmbatch.job.preparer import RowPreparer
 from vlmbatch.structured.spec import parse_structured_output
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
