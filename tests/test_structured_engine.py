@@ -35,12 +35,13 @@ def adapter(tiny_qwen):
     return load_adapter(str(tiny_qwen))
 
 
-def paged_engine(adapter, *, graphs: bool = False, async_decode: bool = True) -> PagedEngine:
-    """Small enough that a batch of ~250-token JSON rows preempts and prompts are chunked."""
-    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=130, block_size=4, max_num_seqs=6,
+def paged_engine(adapter, *, graphs: bool = False, async_decode: bool = True, device: str = "cpu") -> PagedEngine:
+    """Small enough that a batch of ~250-token JSON rows preempts and prompts are chunked. On
+    CUDA the decode CUDA graphs are captured; `graphs` runs their static buffers eagerly on the CPU."""
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device=device, num_kv_blocks=130, block_size=4, max_num_seqs=6,
                                                max_num_batched_tokens=32, min_admission_batch=1))
     engine.async_decode = async_decode
-    if graphs:
+    if graphs and device == "cpu":
         engine.runner.prepare_static_decode(6, capture=False)
     return engine
 
@@ -76,8 +77,20 @@ def assert_valid(outputs: dict, rows: dict[str, SamplingParams]) -> None:
 @pytest.mark.parametrize(("graphs", "async_decode"), [(True, True), (False, False)])
 def test_mixed_batch_with_preemption(adapter, graphs, async_decode):
     """Every constrained row ends valid; every free row gets the tokens it gets alone."""
+    check_mixed_batch(adapter, graphs, async_decode, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed_batch_on_cuda_with_graphs_and_async_decoding(adapter):
+    """The device path: pinned bitmask, non-blocking copy, xgrammar's Triton kernel on the
+    logits of captured decode graphs, masks filled while the forward runs."""
+    check_mixed_batch(adapter, True, True, "cuda")
+
+
+def check_mixed_batch(adapter, graphs: bool, async_decode: bool, device: str) -> None:
     rows = mixed_rows()
-    engine = paged_engine(adapter, graphs=graphs, async_decode=async_decode)
+    engine = paged_engine(adapter, graphs=graphs, async_decode=async_decode, device=device)
     outputs = run(engine, adapter, rows)
     assert_valid(outputs, rows)
     stats = engine.stats
@@ -89,6 +102,8 @@ def test_mixed_batch_with_preemption(adapter, graphs, async_decode):
         assert stats.num_graph_replays > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
+    if device != "cpu":  # GPU matmuls may round differently at another batch size: exact only on the CPU
+        return
     free = {request_id: params for request_id, params in rows.items() if params.structured_output is None}
     alone = run(paged_engine(adapter), adapter, free)
     for request_id in free:
