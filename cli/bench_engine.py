@@ -48,6 +48,7 @@ def bench_engine(
                                              "with the mask's cost per step at --mask-batches."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="As --structured, with the JSON schema in this file."),
     mask_batches: str = typer.Option("64,256", "--mask-batches", help="Batch sizes of the mask-per-step measurement (with a schema)."),
+    grammar_fill_threads: int = typer.Option(1, "--grammar-fill-threads", min=1, help="Threads filling one step's masks (the engine option)."),
     json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
@@ -80,7 +81,7 @@ def bench_engine(
         profile_batches=int_list(profile_batches, "--profile-batches", allow_empty=True), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode,
-        structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"),
+        structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"), grammar_fill_threads=grammar_fill_threads,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)
     report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)),

@@ -72,6 +72,7 @@ class BenchOptions:
     device: str = "auto"
     structured_schema: dict[str, Any] | None = None  # W1 again under this JSON schema ("w1+schema")
     mask_batches: tuple[int, ...] = (64, 256)  # batch sizes the mask's cost per step is measured at
+    grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads of the timed engine
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
@@ -174,6 +175,7 @@ def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device
         max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
         attention_backend=options.attention_backend, async_decode=options.async_decode,
+        grammar_fill_threads=options.grammar_fill_threads,
     )
 
 
