@@ -123,11 +123,15 @@ def test_hf_engine_gives_the_paged_constrained_tokens(adapter, tiny_qwen):
 
 
 @pytest.mark.parametrize("engine_name", ["paged", "hf"])
-def test_length_cut_and_uncompilable_rows(adapter, engine_name):
-    """A row cut by max_tokens keeps its text with `structured_output_incomplete`; a spec xgrammar
-    refuses fails its row alone (`invalid_row`, the key named); the others run as usual."""
+def test_length_cut_dead_end_and_uncompilable_rows(adapter, engine_name):
+    """A row cut by max_tokens keeps its text with `structured_output_incomplete`; a grammar
+    the vocabulary cannot continue (an empty character class after "a") gets the stop token on
+    its empty mask and ends `structured_output_dead_end`; a spec xgrammar refuses fails its row
+    alone (`invalid_row`, the key named); the others run as usual."""
     bad = parse_structured_output({"guided_regex": "(unclosed"})
+    dead = parse_structured_output({"guided_grammar": r'root ::= "a" [^\x00-\U0010FFFF]'})
     rows = {
+        "dead": SamplingParams(max_tokens=12, temperature=0, structured_output=dead),
         "cut": SamplingParams(max_tokens=12, temperature=0, structured_output=NESTED),
         "bad": SamplingParams(max_tokens=12, temperature=0, structured_output=bad),
         "ok": SamplingParams(max_tokens=8, temperature=0, structured_output=CHOICE),
@@ -144,6 +148,9 @@ def test_length_cut_and_uncompilable_rows(adapter, engine_name):
     assert failed.error.error_type == ErrorType.INVALID_ROW and failed.error.param == "guided_regex"
     assert outputs["ok"].outputs[0].text in ("yes", "no", "maybe") and outputs["ok"].outputs[0].error is None
     assert outputs["free"].outputs[0].error is None and len(outputs["free"].outputs[0].token_ids) == 8
+    stuck = outputs["dead"].outputs[0]
+    assert stuck.error.error_type == ErrorType.STRUCTURED_OUTPUT_DEAD_END and stuck.finish_reason == "stop"
+    assert stuck.text == "a" and stuck.token_ids[-1] == adapter.eos_token_ids[0] and len(stuck.token_ids) == 2
 
 
 def test_ignore_eos_does_not_run_past_the_grammar(adapter):
