@@ -92,3 +92,19 @@ def test_per_row_specs_errors_and_opt_outs(llm, tmp_path):
     cut = by_id["cut"]
     assert cut["error_type"] == ErrorType.STRUCTURED_OUTPUT_INCOMPLETE and cut["finish_reason"] == "length"
     assert cut["generated_text"].startswith('{"vendor"') and cut["output_json"] is None
+
+
+def test_openai_batch_bodies_carry_their_response_format(llm, tmp_path):
+    """`body.response_format` of an OpenAI Batch line is the row's spec (`output_json`)."""
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["ok", "n"], "additionalProperties": False}
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": f"row {i}"}], "max_tokens": 40,
+                       "temperature": 1.0, "seed": i,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": small, "strict": True}}}}
+             for i in range(3)]
+    _, results = _run(llm, _write_jsonl(tmp_path / "batch.jsonl", lines), tmp_path / "out")
+    assert [row["custom_id"] for row in results] == ["c0", "c1", "c2"]
+    for row in results:
+        assert row["error_type"] is None and row["finish_reason"] == "stop", row
+        jsonschema.validate(json.loads(row["output_json"]), small)

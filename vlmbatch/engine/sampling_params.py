@@ -73,6 +73,8 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"] = list(self.stop)
-        if self.structured_output is not None:
+        if self.structured_output is None:
+            del d["structured_output"]  # manifests of unconstrained jobs stay as they were
+        else:
             d["structured_output"] = self.structured_output.to_dict()
         return d
