@@ -255,6 +255,9 @@ class PagedEngine(Engine):
                 seq.token_ids.append(PLACEHOLDER)
         self._in_flight = _InFlight(batch, pending)
         waited = in_flight.waited_s if in_flight is not None else 0.0
+        if constrained:  # that wait happened inside the launch: count it as waiting, not launching
+            self.runner.last_launch_s -= waited
+            waited = 0.0
         self._time(batch, scheduled - started + time.perf_counter() - launched - waited, encoded - scheduled, launched - encoded + waited)
         return outputs
 
