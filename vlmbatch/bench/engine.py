@@ -34,7 +34,7 @@ from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
-from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, warm_compile
+from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, use_full_size_vocab, warm_compile
 from vlmbatch.bench.timing import RunResult, run_engine
 from vlmbatch.bench.workloads import PROMPT_TOKENS, W2_OUTPUT_RANGE, Workload, build_workload
 
@@ -349,7 +349,9 @@ def _structured_phases(engine, workload: Workload, dtype: torch.dtype, options: 
                        record: Callable[[RunResult], None], echo: Callable[[str], None]) -> None:
     """W1 under the schema ("w1+schema", beside "w1" in the summary), then the mask at fixed batch sizes."""
     schema = options.structured_schema
-    report["structured"] = {"schema": schema, "compile_s": warm_compile(engine, schema)}
+    vocab = use_full_size_vocab(engine)
+    report["structured"] = {"schema": schema, "grammar_vocab_size": vocab, "compile_s": warm_compile(engine, schema)}
+    echo(f"structured: grammars over a {vocab}-token vocabulary, schema compiled in {report['structured']['compile_s']:.2f} s")
     prompts, lengths = adapt.engine_prompts(workload, engine.adapter, dtype), [r.output_tokens for r in workload.requests]
     result = structured_run(engine, prompts, lengths, "w1+schema", schema)
     result.engine = "paged"  # the summary pairs it with vLLM's "w1+schema" run

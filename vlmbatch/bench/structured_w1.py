@@ -10,6 +10,11 @@ the grammar states a real extraction walks through) and a sixth, unbounded `note
 last, so rows keep going until max_tokens = 128 like unconstrained W1 (JSON left open: the
 rows end `length` with `structured_output_incomplete`, which the run ignores). Each run
 reports its actual generated tokens, so a row that did close early shows in tokens/s.
+
+Realistic masks. A random-weight shape carries the tiny checkpoint's tokenizer (~600 tokens)
+under 151,936-wide logits; grammars over it would make the host fill almost free. On such a
+shape the grammars are compiled against a byte-level BPE as large as the logits instead
+(`vlmbatch.testing.vocab`, built here, ~10 s), so fill time is what a real vocabulary costs.
 """
 
 from __future__ import annotations
@@ -53,6 +58,20 @@ def _spec(schema: dict[str, Any]):
     from vlmbatch.structured.spec import parse_structured_output
 
     return parse_structured_output({"guided_json": schema})
+
+
+def use_full_size_vocab(engine) -> int:
+    """Give the engine grammars over a BPE as wide as its logits when its tokenizer is far
+    smaller (random-weight shapes); returns the grammar vocabulary's size."""
+    from vlmbatch.engine.structured_decoding import StructuredDecoding
+    from vlmbatch.testing.vocab import make_large_tokenizer
+
+    current = engine.structured
+    if len(engine.tokenizer) * 2 > current.vocab_size:
+        return len(engine.tokenizer)
+    engine.structured = StructuredDecoding(make_large_tokenizer(current.vocab_size), current.vocab_size, current.stop_token_ids,
+                                           current.device, current.max_rows, current.fill_threads)
+    return current.vocab_size
 
 
 def warm_compile(engine, schema: dict[str, Any]) -> float:
