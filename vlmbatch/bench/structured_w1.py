@@ -92,9 +92,8 @@ def mask_ms(stats: dict[str, Any]) -> dict[str, float]:
 
 
 def structured_run(engine, prompts: list, lengths: list[int], workload: str, schema: dict[str, Any]) -> RunResult:
-    """One run of `prompts` constrained by `schema` ("paged-structured"), mask times in `extra`."""
+    """One run of `prompts` constrained by `schema`, mask times in `extra`."""
     result = run_engine(engine, prompts, lengths, workload, _spec(schema))
-    result.engine = "paged-structured"
     result.extra.update(mask_ms(result.extra))
     return result
 
@@ -115,6 +114,8 @@ def mask_at_batches(engine, prompts: list, lengths: list[int], batches: tuple[in
 
 
 def mask_row(row: dict[str, Any]) -> str:
+    """One line of `mask_at_batches`."""
     return (f"mask at batch {row['batch']:4d}: fill {row['mask_fill_ms_per_step']:.3f} ms + apply {row['mask_apply_ms_per_step']:.3f} ms "
             f"per step ({row['mask_rows_per_step']:.0f} rows); decode step {row['free_decode_step_ms'] or 0:.2f} ms free, "
-            f"{row['structured_decode_step_ms'] or 0:.2f} ms constrained; tokens {row['free_output_tokens']} / {row['structured_output_tokens']}")
+            f"{row['structured_decode_step_ms'] or 0:.2f} ms constrained; tokens {row['free_output_tokens']} free / "
+            f"{row['structured_output_tokens']} constrained")
