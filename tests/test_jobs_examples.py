@@ -53,7 +53,6 @@ def test_captioning_example_runs_on_the_tiny_model(tiny_qwen: Path, tmp_path: Pa
     assert len(rows) == 6 and all(r["error_type"] is None and r["generated_text"] is not None for r in rows)
 
 
-@pytest.mark.slow  # a CLI job with images / videos: ~1-3 min on 2 shared cores
 def test_invoice_example_extracts_typed_fields_on_the_tiny_model(tiny_qwen: Path, tmp_path: Path) -> None:
     job_dir, rows = _run("invoice-extraction", tiny_qwen, tmp_path / "out")
     assert len(rows) == 4
@@ -65,7 +64,6 @@ def test_invoice_example_extracts_typed_fields_on_the_tiny_model(tiny_qwen: Path
     assert len(totals) == 4 and all(currency in INVOICE_SCHEMA["properties"]["currency"]["enum"] for _, currency in totals)
 
 
-@pytest.mark.slow  # a CLI job with images / videos: ~1-3 min on 2 shared cores
 def test_video_qa_example_answers_from_the_choices_on_the_tiny_model(tiny_qwen: Path, tmp_path: Path) -> None:
     _, rows = _run("video-qa", tiny_qwen, tmp_path / "out")
     assert len(rows) == 4 and all(r["output"] in ("yes", "no") and r["generated_text"] == r["output"] for r in rows)
