@@ -49,7 +49,7 @@ def bench_engine(
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="As --structured, with the JSON schema in this file."),
     mask_batches: str = typer.Option("64,256", "--mask-batches", help="Batch sizes of the mask-per-step measurement (with a schema)."),
     grammar_fill_threads: int = typer.Option(1, "--grammar-fill-threads", min=1, help="Threads filling one step's masks (the engine option)."),
-    json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
+    json_out: Path = typer.Option(Path("bench-out/engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
     from vlmbatch.bench.engine import BenchOptions, run_bench

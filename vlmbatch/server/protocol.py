@@ -45,6 +45,8 @@ class ChatCompletionRequest(BaseModel):
     guided_choice: Any = None
     guided_regex: Any = None
     guided_grammar: Any = None
+    # vLLM's extension: the model processor's options, e.g. InternVL's {"max_patches": 4}.
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
