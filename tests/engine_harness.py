@@ -122,17 +122,3 @@ def run_to_completion(engine) -> dict:
             if output.finished:
                 finished[output.request_id] = output
     return finished
-
-
-def assert_greedy_matches_transformers(engine, adapter, hf_model, requests) -> dict:
-    """Every request's greedy tokens through `engine` equal `hf_greedy`'s, and batching,
-    chunked prefill, preemption and prefix- and encoder-cache hits all happened; returns
-    `run_greedy`'s prepared prompts."""
-    prepared, outputs = run_greedy(engine, adapter, requests)
-    assert sorted(outputs) == sorted(prepared)
-    for request_id, (prompt, max_tokens) in prepared.items():
-        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
-    stats = engine.stats
-    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
-    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
-    return prepared

@@ -11,7 +11,6 @@ import duckdb
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
-import torch
 from structured_harness import NESTED_SCHEMA, single_torch_thread  # noqa: F401  (autouse fixture)
 
 from vlmbatch import job as jobs

@@ -44,14 +44,8 @@ class ModelAdapter(ABC):
         """Render OpenAI-style messages into the model's prompt text, with media placeholders."""
 
     @abstractmethod
-    def prepare(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-        processor_kwargs: dict[str, Any] | None = None,
-    ) -> PreparedPrompt:
+    def prepare(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+                max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
         """Tokenise `prompt` with its media into token ids and media items; raise `RowError`.
         `processor_kwargs` (a row's `mm_processor_kwargs`) go to the processor, e.g. InternVL's
         `max_patches`; keys the family does not take are a `RowError`."""
@@ -72,14 +66,8 @@ class ModelAdapter(ABC):
     def accepts_encoded_images(self) -> bool:
         return type(self).prepare_encoded is not ModelAdapter.prepare_encoded
 
-    def check(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-        processor_kwargs: dict[str, Any] | None = None,
-    ) -> int:
+    def check(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+              max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> int:
         """Validate like `prepare` and return the prompt's token count; families override it
         with a path that skips pixel preprocessing (the dry-run checks 5,000+ rows/s)."""
         return self.prepare(prompt, images, videos, max_tokens, processor_kwargs).num_tokens

@@ -177,14 +177,8 @@ class ProcessorAdapter(ModelAdapter):
                 param="prompt",
             )
 
-    def check(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-        processor_kwargs: dict[str, Any] | None = None,
-    ) -> int:
+    def check(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+              max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> int:
         """`prepare`'s checks and token count without pixel preprocessing (dry runs): each
         image's token count comes from its size, through the processor's own formula."""
         images, videos = list(images or []), list(videos or [])
@@ -249,14 +243,8 @@ class ProcessorAdapter(ModelAdapter):
         override this instead of `media_items`."""
         return self.media_items(processed, hashes)
 
-    def prepare(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-        processor_kwargs: dict[str, Any] | None = None,
-    ) -> PreparedPrompt:
+    def prepare(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+                max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
         images, videos, processor_kwargs = list(images or []), list(videos or []), dict(processor_kwargs or {})
         self._validate(prompt, images, videos, processor_kwargs)
         try:
