@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log probability and the `SamplingParams.logprobs` most likely
+    tokens at its position, best first (from the adjusted logits, before temperature)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+
+
+@dataclass
 class CompletionOutput:
     """One generated continuation. `finish_reason` is "stop" (EOS or a stop string) or "length"."""
 
@@ -14,6 +24,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or EOS token id that ended it
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when `SamplingParams.logprobs` is set
 
 
 @dataclass

@@ -31,11 +31,11 @@ from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import choose_kernels
 from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
 from vlmbatch.engine.multimodal import place_media
-from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
+from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vlmbatch.engine.runner import ModelRunner, PendingTokens
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
-from vlmbatch.engine.sequence import Sequence, SequenceStatus
+from vlmbatch.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from vlmbatch.engine.stopping import IncrementalDetokenizer, find_stop
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.families.adapter import ModelAdapter
@@ -73,9 +73,6 @@ class EngineStats:
     host_s: float = 0.0
 
 
-PLACEHOLDER = -1  # a sequence's last token while the step that samples it is in flight
-
-
 @dataclass
 class _InFlight:
     """A launched decode step whose tokens were not read yet."""
@@ -109,6 +106,7 @@ class PagedEngine(Engine):
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.num_kv_blocks, config.gpu_memory_utilization, config.enforce_eager,
+            frozenset(adapter.eos_token_ids),
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
@@ -183,11 +181,11 @@ class PagedEngine(Engine):
             torch.cuda.synchronize(self.device)  # only after the tower ran: a decode step in flight must not be waited for here
         encoded = time.perf_counter()
         if batch.is_prefill or not self.async_decode:
-            seqs, tokens = self.runner.run(batch)
+            pending = self.runner.run(batch)
             ran = time.perf_counter()
             self.scheduler.finish_step(batch)
             self._count(batch)
-            outputs = self._take(seqs, tokens)
+            outputs = self._take(pending.seqs, pending.wait(), pending.token_logprobs())
             self._time(batch, scheduled - started + time.perf_counter() - ran, encoded - scheduled, ran - encoded)
             return outputs
         # A decode step: launch it on the previous step's tokens, then read those.
@@ -210,13 +208,16 @@ class PagedEngine(Engine):
         waiting = time.perf_counter()
         tokens = in_flight.pending.wait()
         in_flight.waited_s = time.perf_counter() - waiting
-        live = [(seq, token) for seq, token in zip(in_flight.pending.seqs, tokens) if not seq.is_finished]
-        return self._take([seq for seq, _ in live], [token for _, token in live])
+        pending = in_flight.pending
+        live = [row for row in zip(pending.seqs, tokens, pending.token_logprobs()) if not row[0].is_finished]
+        return self._take([row[0] for row in live], [row[1] for row in live], [row[2] for row in live])
 
-    def _take(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
-        """Append each sequence's token, retire finished ones, and build the outputs."""
+    def _take(self, seqs: list[Sequence], tokens: list[int], logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
+        """Append each sequence's token (and its logprobs), retire finished ones, and build the outputs."""
         progressed = {}
-        for seq, token in zip(seqs, tokens):
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             self._append(seq, token)
             self.stats.num_generated_tokens += 1
             if seq.is_finished:
@@ -256,6 +257,10 @@ class PagedEngine(Engine):
         else:
             seq.token_ids.append(token)
         params = seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            if params.stop or self.stream_outputs:
+                seq.text += seq.detokenizer.step(token)  # stop strings count only from min_tokens on
+            return
         if token in self.eos_token_ids and not params.ignore_eos:
             self._finish(seq, "stop", token)
             return
@@ -283,7 +288,8 @@ class PagedEngine(Engine):
     def _output(self, request_id: str) -> RequestOutput:
         group = self.requests[request_id]
         completions = [  # `output_token_ids` is a fresh slice: no copy needed
-            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason) for s in group
+            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                             None if s.logprobs is None else list(s.logprobs)) for s in group
         ]
         first = group[0]
         return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, all(s.is_finished for s in group))

@@ -13,7 +13,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmbatch.engine.outputs import TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # a sequence's last token while the step that samples it is in flight (asynchronous decoding)
 
 
 class SequenceStatus(enum.Enum):
@@ -68,10 +71,13 @@ class Sequence:
     stop_reason: str | int | None = None
     text: str = ""
     detokenizer: Any = None  # incremental detokeniser state of `text`
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the params ask for them
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         self.prompt_token_ids = list(self.token_ids)  # never changes: outputs share it instead of copying
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
