@@ -55,6 +55,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_chunked_prefills: int = 0
     num_prefix_hit_tokens: int = 0
+    num_forked_tokens: int = 0  # prompt tokens the samples of n > 1 requests shared instead of computing
     num_graph_replays: int = 0
     num_encoded_media: int = 0
     num_encoder_cache_hits: int = 0
@@ -113,6 +114,7 @@ class PagedEngine(Engine):
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
+        self._unforked: dict[str, list[Sequence]] = {}  # request id -> samples waiting for the first's prompt
         self.stats = EngineStats()
         self._arrivals = 0
         self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
@@ -130,8 +132,9 @@ class PagedEngine(Engine):
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
-        """Queue a request; n > 1 becomes n sequences (seeds seed, seed + 1, ...) whose
-        shared prompt blocks the prefix cache deduplicates once the first is computed."""
+        """Queue a request; n > 1 becomes n sequences (seeds seed, seed + 1, ...). Only the
+        first is scheduled; the others fork from it once its prompt is computed and share
+        its prompt's KV blocks (`BlockManager.fork`), with or without prefix caching."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
         total = prompt.num_tokens + params.max_tokens
@@ -152,10 +155,13 @@ class PagedEngine(Engine):
                            detokenizer=IncrementalDetokenizer(self.tokenizer))
             self._arrivals += 1
             group.append(seq)
-            self.scheduler.add(seq)
+        self.scheduler.add(group[0])
+        if len(group) > 1:
+            self._unforked[request_id] = group[1:]
         self.requests[request_id] = group
 
     def abort_request(self, request_id: str) -> None:
+        self._unforked.pop(request_id, None)
         for seq in self.requests.pop(request_id, []):
             self.scheduler.remove(seq)
             seq.status = SequenceStatus.FINISHED
@@ -216,6 +222,8 @@ class PagedEngine(Engine):
         """Append each sequence's token (and its logprobs), retire finished ones, and build the outputs."""
         progressed = {}
         for seq, token, logprob in zip(seqs, tokens, logprobs):
+            if seq.request_id in self._unforked and seq.num_output_tokens == 0:
+                self._fork(seq)
             if logprob is not None:
                 seq.logprobs.append(logprob)
             self._append(seq, token)
@@ -230,6 +238,15 @@ class PagedEngine(Engine):
             if output.finished:
                 del self.requests[output.request_id]
         return outputs
+
+    def _fork(self, first: Sequence) -> None:
+        """The request's other samples, now that `first` computed the prompt, share its blocks
+        and media embeddings and are scheduled next."""
+        samples = self._unforked.pop(first.request_id)
+        for seq in samples:
+            seq.mm = copy.copy(first.mm)
+            self.block_manager.fork(first, seq)
+        self.scheduler.add_first(samples)
 
     def _time(self, batch: ScheduledBatch, host_s: float, vision_s: float, forward_s: float) -> None:
         s, launch_s = self.stats, self.runner.last_launch_s
@@ -302,6 +319,7 @@ class PagedEngine(Engine):
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_chunked_prefills = self.scheduler.num_chunked_prefills
         s.num_prefix_hit_tokens = self.block_manager.num_prefix_hit_tokens
+        s.num_forked_tokens = self.block_manager.num_forked_tokens
         s.num_graph_replays = self.runner.num_graph_replays
         s.num_encoded_media = self.model.num_encoded_items
         s.num_encoder_cache_hits = self.model.num_encoder_cache_hits
