@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmbatch.chat import parse_chat_messages
-from vlmbatch.engine.outputs import RequestOutput
+from vlmbatch.engine.logprobs import TokenTexts
+from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import RowError
 from vlmbatch.families.adapter import ModelAdapter
@@ -28,8 +29,11 @@ from vlmbatch.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
+    TokenLogprob as LogprobEntry,
+    TopLogprob,
     Usage,
     new_completion_id,
 )
@@ -52,6 +56,28 @@ def _usage(output: RequestOutput) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
+def _logprobs(texts: TokenTexts, entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    """OpenAI's `logprobs` object for some of a choice's tokens (None: not asked for)."""
+    if entries is None:
+        return None
+
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=texts.text(token_id), logprob=logprob, bytes=list(texts.bytes(token_id)))
+
+    return ChoiceLogprobs(content=[
+        LogprobEntry(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, v) for t, v in e.top]) for e in entries
+    ])
+
+
+def _new_logprobs(texts: TokenTexts, completion: CompletionOutput, sent: dict[int, int]) -> ChoiceLogprobs | None:
+    """The logprobs of the choice's tokens not streamed yet (`sent`: how many were, per choice)."""
+    if completion.logprobs is None:
+        return None
+    start = sent.get(completion.index, 0)
+    sent[completion.index] = len(completion.logprobs)
+    return _logprobs(texts, completion.logprobs[start:])
+
+
 class ChatCompletions:
     """Turns chat requests into engine requests and engine progress into OpenAI responses."""
 
@@ -60,6 +86,7 @@ class ChatCompletions:
         self._engine = engine
         self._media = media
         self._settings = settings
+        self._token_texts = TokenTexts(adapter.processor.tokenizer)
         # Prompt rendering and HF processors are not safe to share across threads, so one
         # thread does all of it; media fetching and decoding run in the media pool.
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="vlmbatch-prompt")
@@ -90,6 +117,9 @@ class ChatCompletions:
             raise
         # Without a limit the request may use the rest of the context (`prepare` left at least 1).
         max_tokens = request.requested_max_tokens or self._adapter.max_model_len - prompt.num_tokens
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_request")
+        given = {name: getattr(request, name) for name in ("top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")}
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -98,7 +128,10 @@ class ChatCompletions:
             stop=request.stop_strings,
             n=request.n,
             ignore_eos=request.ignore_eos,
-        )
+            min_tokens=request.min_tokens,
+            logit_bias=request.logit_bias or {},
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        ).updated(**given)
         return PreparedRequest(new_completion_id(), prompt, params)
 
     def _render(self, messages: list[dict[str, Any]], images: list[Any], videos: list[Any], max_tokens: int) -> PreparedPrompt:
@@ -126,7 +159,8 @@ class ChatCompletions:
             id=request.request_id,
             model=self._settings.model_id,
             choices=[
-                Choice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason or "stop")
+                Choice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason or "stop",
+                       logprobs=_logprobs(self._token_texts, o.logprobs))
                 for o in final.outputs
             ],
             usage=_usage(final),
@@ -144,6 +178,7 @@ class ChatCompletions:
 
         yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(request.params.n)])
         trackers = {i: DeltaTracker(request.params.stop) for i in range(request.params.n)}
+        logprobs_sent: dict[int, int] = {}
         final: RequestOutput | None = None
         try:
             async for output in self._engine.generate(request.request_id, request.prompt, request.params):
@@ -155,12 +190,14 @@ class ChatCompletions:
                         continue
                     done = output.finished or completion.finish_reason is not None
                     delta = tracker.next_delta(completion.text, done)
-                    if delta or done:
+                    logprobs = _new_logprobs(self._token_texts, completion, logprobs_sent)
+                    if delta or done or (logprobs is not None and logprobs.content):
                         choices.append(
                             ChunkChoice(
                                 index=completion.index,
                                 delta=Delta(content=delta),
                                 finish_reason=(completion.finish_reason or "stop") if done else None,
+                                logprobs=logprobs,
                             )
                         )
                     if not done:
