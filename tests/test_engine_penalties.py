@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import WORDS, make_image, qwen_prompt, run_to_completion
+from engine_harness import single_thread, WORDS, make_image, qwen_prompt, run_to_completion
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -28,14 +28,6 @@ from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.families.registry import load_adapter
 
 MAX_TOKENS = 10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

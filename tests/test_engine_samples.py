@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import build_requests, hf_greedy, run_to_completion
+from engine_harness import single_thread, build_requests, hf_greedy, run_to_completion
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.families.registry import load_adapter
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _engine(adapter, **overrides) -> PagedEngine:
