@@ -136,6 +136,24 @@ def test_paged_and_hf_engines_match_transformers_processors(name, setup):
                 assert output.outputs[0].finish_reason == "stop"
 
 
+def test_adjustments_on_the_static_decode_buffers(setup):
+    """The CUDA-graph decode path run eagerly on the CPU (static buffers, padded batch, the
+    graph's logits buffer adjusted in place), asynchronous: tokens and logprobs as transformers'."""
+    adapter, hf_model, prompts = setup
+    params = _case("all", adapter)
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=5))
+    engine.runner.prepare_static_decode(5, capture=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{i}", prompt, params)
+    outputs = run_to_completion(engine)
+    assert engine.stats.num_graph_replays == engine.stats.num_decode_steps > engine.stats.num_async_decode_steps > 0
+    for i, prompt in enumerate(prompts):
+        tokens, reference = hf_reference(hf_model, adapter, prompt, params)
+        completion = outputs[f"{i}"].outputs[0]
+        assert completion.token_ids == tokens
+        assert [e.logprob for e in completion.logprobs] == pytest.approx([r[t].item() for t, r in zip(tokens, reference)], abs=1e-5)
+
+
 @pytest.mark.parametrize("engine_name", ["paged", "hf"])
 def test_logprobs_are_log_softmax_of_the_processed_logits(engine_name, setup):
     adapter, hf_model, prompts = setup
@@ -165,3 +183,32 @@ def test_logprobs_are_log_softmax_of_the_processed_logits(engine_name, setup):
                     assert [t for t, _ in entry.top] == best.indices.tolist()
                     assert [v for _, v in entry.top] == pytest.approx(best.values.tolist(), abs=1e-5)
                     assert entry.top[0][0] == token  # greedy: the chosen token is the best one
+
+
+@pytest.mark.gpu
+def test_adjustments_and_logprobs_on_cuda_graphs_with_asynchronous_decoding(tiny_qwen):
+    """On the GPU, in fp32: CUDA-graph replays with asynchronous decoding (the newest token
+    counted from the device) give the tokens of transformers' processors in `generate()`,
+    and the logprobs of an eager, synchronous run of the same engine."""
+    path = str(tiny_qwen)
+    adapter = load_adapter(path)
+    cuda = torch.device("cuda")
+    hf_model = load_hf_model(path, torch.float32, cuda)
+    prompts = [adapter.prepare(qwen_prompt(" ".join(WORDS[i : i + 9]), 0, False), max_tokens=MAX_TOKENS) for i in range(4)]
+    params = [_case(name, adapter) for name in CASES]
+    config = dict(dtype="float32", device="cuda", num_kv_blocks=256, block_size=16, max_num_seqs=32)
+    graphs = PagedEngine(adapter, EngineConfig(**config))
+    eager = PagedEngine(adapter, EngineConfig(**config, enforce_eager=True, async_decode=False))
+    results = []
+    for engine in (graphs, eager):
+        for i, prompt in enumerate(prompts):
+            for j, p in enumerate(params):
+                engine.add_request(f"{i}-{j}", prompt, p)
+            engine.add_request(f"{i}-plain", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+        results.append(run_to_completion(engine))
+    assert graphs.stats.num_graph_replays > 0 and graphs.stats.num_async_decode_steps > 0
+    for i, prompt in enumerate(prompts):
+        for j, p in enumerate(params):
+            ours, reference = results[0][f"{i}-{j}"].outputs[0], results[1][f"{i}-{j}"].outputs[0]
+            assert ours.token_ids == hf_reference(hf_model, adapter, prompt, p)[0] == reference.token_ids, (i, j)
+            assert [e.logprob for e in ours.logprobs] == pytest.approx([e.logprob for e in reference.logprobs], abs=1e-4)
