@@ -8,6 +8,7 @@ length) is checked before the request enters the engine, so those failures are p
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,10 +57,8 @@ def _usage(output: RequestOutput) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
-def _logprobs(texts: TokenTexts, entries: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
-    """OpenAI's `logprobs` object for some of a choice's tokens (None: not asked for)."""
-    if entries is None:
-        return None
+def _logprobs(texts: TokenTexts, entries: list[TokenLogprob]) -> ChoiceLogprobs:
+    """OpenAI's `logprobs` object for some of a choice's tokens."""
 
     def top(token_id: int, logprob: float) -> TopLogprob:
         return TopLogprob(token=texts.text(token_id), logprob=logprob, bytes=list(texts.bytes(token_id)))
@@ -69,10 +68,8 @@ def _logprobs(texts: TokenTexts, entries: list[TokenLogprob] | None) -> ChoiceLo
     ])
 
 
-def _new_logprobs(texts: TokenTexts, completion: CompletionOutput, sent: dict[int, int]) -> ChoiceLogprobs | None:
+def _new_logprobs(texts: TokenTexts, completion: CompletionOutput, sent: dict[int, int]) -> ChoiceLogprobs:
     """The logprobs of the choice's tokens not streamed yet (`sent`: how many were, per choice)."""
-    if completion.logprobs is None:
-        return None
     start = sent.get(completion.index, 0)
     sent[completion.index] = len(completion.logprobs)
     return _logprobs(texts, completion.logprobs[start:])
@@ -86,10 +83,14 @@ class ChatCompletions:
         self._engine = engine
         self._media = media
         self._settings = settings
-        self._token_texts = TokenTexts(adapter.processor.tokenizer)
         # Prompt rendering and HF processors are not safe to share across threads, so one
         # thread does all of it; media fetching and decoding run in the media pool.
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="vlmbatch-prompt")
+
+    @functools.cached_property
+    def _token_texts(self) -> TokenTexts:
+        """Built on the first request that asks for logprobs."""
+        return TokenTexts(self._adapter.processor.tokenizer)
 
     def close(self) -> None:
         self._prompt_thread.shutdown(wait=False, cancel_futures=True)
@@ -160,7 +161,7 @@ class ChatCompletions:
             model=self._settings.model_id,
             choices=[
                 Choice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason or "stop",
-                       logprobs=_logprobs(self._token_texts, o.logprobs))
+                       logprobs=None if o.logprobs is None else _logprobs(self._token_texts, o.logprobs))
                 for o in final.outputs
             ],
             usage=_usage(final),
@@ -190,7 +191,7 @@ class ChatCompletions:
                         continue
                     done = output.finished or completion.finish_reason is not None
                     delta = tracker.next_delta(completion.text, done)
-                    logprobs = _new_logprobs(self._token_texts, completion, logprobs_sent)
+                    logprobs = None if completion.logprobs is None else _new_logprobs(self._token_texts, completion, logprobs_sent)
                     if delta or done or (logprobs is not None and logprobs.content):
                         choices.append(
                             ChunkChoice(
