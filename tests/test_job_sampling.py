@@ -24,6 +24,7 @@ def test_samples_and_logprobs_columns(tiny_qwen: Path, tmp_path: Path) -> None:
         {"id": "b", "prompt": PROMPT.format("a dog runs"), "logprobs": True, "top_logprobs": 3, "presence_penalty": 1.0},
         {"id": "bad", "prompt": PROMPT.format("x"), "repetition_penalty": 0},
         {"id": "c", "prompt": PROMPT.format("hello there"), "logit_bias": {"33": 5}, "min_tokens": 3},
+        {"id": "far", "prompt": PROMPT.format("x"), "logit_bias": {"99999999": 5}},  # not a token of the model
     ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "job.yaml").write_text(
@@ -34,7 +35,7 @@ def test_samples_and_logprobs_columns(tiny_qwen: Path, tmp_path: Path) -> None:
     job_dir = job_dir_from(proc, tmp_path / "out")
     results = job_dir / "results"
     schemas = [pq.read_schema(p) for p in sorted(results.glob("*.parquet"))]
-    assert len(schemas) == 2 and schemas[0] == schemas[1]  # one schema in every part
+    assert len(schemas) == 3 and schemas[0] == schemas[1] == schemas[2]  # one schema in every part
     assert schemas[0].field("sample_index").type == pa.int32()
     assert schemas[0].field("logprobs").type == LOGPROBS_FIELD.type
 
@@ -44,6 +45,8 @@ def test_samples_and_logprobs_columns(tiny_qwen: Path, tmp_path: Path) -> None:
         by_id.setdefault(row["id"], []).append(row)
     assert [r["sample_index"] for r in by_id["bad"]] == [0] and by_id["bad"][0]["error_type"] == "invalid_row"
     assert by_id["bad"][0]["logprobs"] is None
+    assert [r["sample_index"] for r in by_id["far"]] == [0] and by_id["far"][0]["error_type"] == "invalid_row"
+    assert "vocabulary" in by_id["far"][0]["error"]
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen)
     for name, top_k in (("a", 2), ("b", 3), ("c", 2)):
         samples = by_id[name]
@@ -68,8 +71,8 @@ def test_samples_and_logprobs_columns(tiny_qwen: Path, tmp_path: Path) -> None:
     assert {k for *_, k in unnested} == {2, 3}
 
     summary = summarize(job_dir)  # a row's samples are one row, not duplicates
-    assert summary.complete and (summary.rows, summary.rows_ok, summary.rows_failed) == (4, 3, 1)
+    assert summary.complete and (summary.rows, summary.rows_ok, summary.rows_failed) == (5, 3, 2)
     assert summary.output_tokens == sum(r["num_generated_tokens"] for r in table.to_pylist())
     merged = tmp_path / "merged.parquet"
-    assert merge(job_dir, merged) == table.num_rows == 7
+    assert merge(job_dir, merged) == table.num_rows == 8
     assert pq.read_table(merged).column("row_id").to_pylist() == sorted(table.column("row_id").to_pylist())

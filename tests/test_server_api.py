@@ -286,10 +286,11 @@ def test_malformed_json_through_curl(server: ServerProcess) -> None:
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs", "invalid_request"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_request"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"not-a-token": 1}}, 400, None, "invalid_row"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400, "logit_bias", "invalid_row"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "min_tokens": 3}, 400, None, "invalid_row"),
     ],
     ids=["image_url-string", "unknown-part", "too-long", "no-messages", "bad-temperature", "bad-role", "unknown-model", "request-picks-decoder",
-         "top_logprobs-alone", "too-many-top_logprobs", "bad-logit_bias", "min_tokens-over-max"],
+         "top_logprobs-alone", "too-many-top_logprobs", "bad-logit_bias", "logit_bias-outside-vocabulary", "min_tokens-over-max"],
 )
 def test_client_mistakes(server: ServerProcess, body: dict, status: int, param: str, code: str) -> None:
     error = _error(_post(server, body), status)

@@ -82,6 +82,13 @@ class SamplingParams:
         if problems:
             raise RowError(ErrorType.INVALID_ROW, "; ".join(problems))
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """`logit_bias` may name only the model's tokens (checked where the tokenizer is known)."""
+        outside = [token for token, _ in self.logit_bias if token >= vocab_size]
+        if outside:
+            raise RowError(ErrorType.INVALID_ROW, f"logit_bias token ids {outside} are not in the vocabulary of "
+                           f"{vocab_size} tokens", "logit_bias")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -133,6 +133,7 @@ class ChatCompletions:
             logit_bias=request.logit_bias or {},
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         ).updated(**given)
+        params.check_vocabulary(len(self._adapter.tokenizer))
         return PreparedRequest(new_completion_id(), prompt, params)
 
     def _render(self, messages: list[dict[str, Any]], images: list[Any], videos: list[Any], max_tokens: int) -> PreparedPrompt:
