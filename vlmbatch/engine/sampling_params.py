@@ -43,6 +43,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # a mapping is accepted too
     logprobs: int | None = None
+    # Whether any logit adjustment is on: read for every sequence of every step, so computed once.
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -51,6 +53,7 @@ class SamplingParams:
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         self.validate()
+        object.__setattr__(self, "adjusts_logits", bool(self.logit_bias) or self.penalized or self.min_tokens > 0)
 
     def validate(self) -> None:
         """Raise `RowError(INVALID_ROW)` for out-of-range values (a row's override may be bad)."""
@@ -94,11 +97,6 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def adjusts_logits(self) -> bool:
-        """Whether any logit adjustment is on (rows without one skip that work)."""
-        return bool(self.logit_bias) or self.penalized or self.min_tokens > 0
-
-    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
@@ -109,6 +107,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["adjusts_logits"]
         d["stop"] = list(self.stop)
         d["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}  # JSON keys are strings
         return d
