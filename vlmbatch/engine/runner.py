@@ -300,23 +300,23 @@ class PendingTokens:
     host: torch.Tensor | None  # where they land on the host
     ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
     logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # `token_logprobs`' pair, on the host
+    _tokens: list[int] | None = None
 
     def wait(self) -> list[int]:
         """The tokens; waits for this step only, not for steps launched after it."""
-        if self.host is None:
-            return []
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
+        if self._tokens is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._tokens = [] if self.host is None else self.host.tolist()
+        return self._tokens
 
     def token_logprobs(self) -> list[TokenLogprob | None]:
         """Per sequence (after `wait`): its token's logprob and its own top-k, or None."""
         if self.logprobs is None:
             return [None] * len(self.seqs)
         values, ids = self.logprobs[0].tolist(), self.logprobs[1].tolist()
-        tokens = self.host.tolist()
         result = []
-        for seq, token, row_values, row_ids in zip(self.seqs, tokens, values, ids):
+        for seq, token, row_values, row_ids in zip(self.seqs, self.wait(), values, ids):
             k = seq.params.logprobs
             result.append(None if k is None else TokenLogprob(token, row_values[0], list(zip(row_ids[:k], row_values[1 : k + 1]))))
         return result
