@@ -10,8 +10,11 @@ prompt + generated tokens are prefilled again later (no KV swapping).
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from vlmbatch.engine.outputs import TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
@@ -78,6 +81,11 @@ class Sequence:
         self.prompt_token_ids = list(self.token_ids)  # never changes: outputs share it instead of copying
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    @functools.cached_property
+    def prompt_id_array(self) -> np.ndarray:
+        """The prompt's ids as int64 (the repetition penalty uploads them every step)."""
+        return np.array(self.prompt_token_ids, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.token_ids)
