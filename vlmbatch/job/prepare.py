@@ -82,6 +82,8 @@ def build_prompt(
     """
     prompt = request.prompt
     image_refs, video_refs = list(request.image_refs), list(request.video_refs)
+    if adapter is not None:
+        request.sampling.check_vocabulary(len(adapter.tokenizer))
     if request.messages is not None:
         from vlmbatch.chat import parse_chat_messages
 

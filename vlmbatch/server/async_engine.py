@@ -52,7 +52,8 @@ def _snapshot(output: RequestOutput) -> RequestOutput:
         prompt=output.prompt,
         prompt_token_ids=output.prompt_token_ids,
         outputs=[
-            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason)
+            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason, o.error,
+                             None if o.logprobs is None else list(o.logprobs))
             for o in output.outputs
         ],
         finished=output.finished,
