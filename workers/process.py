@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from vlmbatch.config import EngineConfig, MediaConfig, QueueConfig, WorkerConfig, from_json, to_json
+from vlmbatch.lifeline import die_with_parent
 from vlmbatch.workers import runtime
 from vlmbatch.workers.app import make_app, queue_name
 from vlmbatch.workers.store import connect
@@ -101,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True)
     parser.add_argument("--broker", required=True)
     parser.add_argument("--slot", default="cpu", help="GPU index this process is pinned to, or 'cpu'")
+    parser.add_argument("--supervisor-pid", type=int, default=None,
+                        help="the `vlmbatch worker` that started this process: it exits when that one dies")
     parser.add_argument("--dry-run", action="store_true", help="validate rows without a model (queue benchmark)")
     for name, flag in ProcessConfigs.FLAGS.items():
         parser.add_argument(flag, default="{}", help=f"this process's {name} configuration (JSON; unset options: the environment)")
@@ -109,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.supervisor_pid is not None:  # first: an orphan must not load a model (or take a shard)
+        die_with_parent(args.supervisor_pid)
     configs = ProcessConfigs.from_args(args, os.environ)
     pin_to_share(configs.worker)
     code = serve(args.model, args.broker, args.slot, args.dry_run, configs)

@@ -10,6 +10,11 @@ own session so a terminal's Ctrl+C reaches only the supervisor, which forwards e
 SIGTERM/SIGINT/SIGQUIT exactly once: that keeps Celery's "first Ctrl+C warm, second cold"
 meaning intact. A child that dies (OOM, `kill -9`, a poison row) is restarted after a
 short back-off; its shard comes back to the queue through the visibility timeout.
+
+Children never outlive the supervisor, whatever kills it (`kill -9` included): each one
+sets the parent-death signal on itself and watches its parent (`vlmbatch.lifeline`, given
+this process's id on its command line), and their preprocessing pools watch them in turn.
+A shard a dying child held is delivered again, as after any crash.
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ class Supervisor:
 
     def command(self, slot: str) -> list[str]:
         cmd = [sys.executable, "-m", "vlmbatch.workers.process", "--model", self.model]
-        cmd += ["--broker", self.broker_url, "--slot", slot, *self.configs.to_args()]
+        cmd += ["--broker", self.broker_url, "--slot", slot, "--supervisor-pid", str(os.getpid()), *self.configs.to_args()]
         return cmd + (["--dry-run"] if self.dry_run else [])
 
     def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:
