@@ -104,7 +104,6 @@ def test_a_missing_object_is_refused_before_anything_is_written(s3_server: S3End
     [
         ("bad-option", "unknown option(s) ['endpoint']"),
         ("read-only", "cannot write the job's manifest to s3://"),
-        ("with-broker", "without a broker"),
     ],
 )
 def test_bad_object_storage_jobs_are_refused_by_plan_job(
@@ -112,14 +111,12 @@ def test_bad_object_storage_jobs_are_refused_by_plan_job(
 ) -> None:
     prefix = f"s3://{s3_server.bucket}/e2e-{uuid.uuid4().hex[:8]}"
     put(s3_server, f"{prefix}/rows.jsonl", json.dumps({"prompt": "hi"}).encode() + b"\n", tmp_path)
-    options, broker = s3_server.storage_options(), None
+    options = s3_server.storage_options()
     if case == "bad-option":
         options = {**options, "endpoint": options["endpoint_url"]}
     elif case == "read-only":  # may read the dataset, may not write the output
         options = s3_server.read_only().storage_options()
-    elif case == "with-broker":
-        broker = "redis://127.0.0.1:1/0"
     with pytest.raises(JobError) as refused:
-        plan_job(f"{prefix}/rows.jsonl", str(tiny_qwen), f"{prefix}/out", broker=broker, storage_options=options)
+        plan_job(f"{prefix}/rows.jsonl", str(tiny_qwen), f"{prefix}/out", storage_options=options)
     assert expected in str(refused.value)
     assert not resolve(f"{prefix}/out", s3_server.storage_options()).exists()

@@ -39,16 +39,20 @@ class ProcessConfigs:
 
     FLAGS = {"engine": "--engine-config", "media": "--media-config", "queue": "--queue-config", "worker": "--worker-config"}
 
-    def to_args(self) -> list[str]:
-        """`--engine-config JSON ...`; the share of the cores is left out: the supervisor
-        gives each process its own through `VLMBATCH_WORKER_CPUS` (see `pinned_env`)."""
-        configs = {"engine": self.engine, "media": self.media, "queue": self.queue,
-                   "worker": replace(self.worker, worker_cpus=None)}
+    def to_args(self, metrics_port: int | None = None) -> list[str]:
+        """`--engine-config JSON ...` of one process, whose metrics port is `metrics_port`.
+        Left out: the share of the cores, which the supervisor gives each process through
+        `VLMBATCH_WORKER_CPUS` (see `pinned_env`), and the storage options, which may hold
+        credentials and so travel in the environment (`VLMBATCH_STORAGE_OPTIONS`), not on a
+        command line that `ps` shows."""
+        worker = replace(self.worker, worker_cpus=None, storage_options=None, metrics_port=metrics_port)
+        configs = {"engine": self.engine, "media": self.media, "queue": self.queue, "worker": worker}
         return [arg for name, flag in self.FLAGS.items() for arg in (flag, to_json(configs[name]))]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> ProcessConfigs:
-        """The configurations `to_args` wrote; what they left unset (the core share) comes from `env`."""
+        """The configurations `to_args` wrote; what they left unset (the core share, the
+        storage options) comes from `env`."""
         kinds = {"engine": EngineConfig, "media": MediaConfig, "queue": QueueConfig, "worker": WorkerConfig}
         return cls(**{name: from_json(kind, getattr(args, f"{name}_config"), env) for name, kind in kinds.items()})
 
@@ -70,7 +74,8 @@ def serve(model: str, broker_url: str, slot: str, dry_run: bool, configs: Proces
         llm = load_llm(model, configs.engine)
     try:
         preparer.start(AdapterSpec(model) if llm is not None else None)
-        runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), preparer, configs.engine, configs.queue, slot))
+        runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), preparer, configs.engine, configs.queue,
+                                              slot, configs.worker.storage_options or {}))
         app = make_app(broker_url, configs.queue)
         celery_worker = app.Worker(
             hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",

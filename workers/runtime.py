@@ -39,6 +39,7 @@ class WorkerRuntime:
     engine: EngineConfig  # how `llm` runs (its GPU image decoding is every job's default)
     queue: QueueConfig  # leases and poison-row isolation
     slot: str = "cpu"  # the GPU this process is pinned to
+    storage_options: dict[str, Any] = field(default_factory=dict)  # for s3:// job folders (over the AWS configuration)
     worker_id: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -100,11 +100,8 @@ def plan_job(
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.output_schema import MANIFEST_KEY, manifest_entry
     from vlmbatch.io.readers import ShardPlan, open_dataset
-    from vlmbatch.io.storage import is_remote
     from vlmbatch.structured.spec import STRUCTURED_KEYS
 
-    if broker and (is_remote(dataset) or is_remote(output)):
-        raise JobError("object-storage datasets and outputs run in-process for now: submit them without a broker")
     reader = open_dataset(dataset, columns, storage_options=storage_options)
     check_model(model)
     check_media_io_kwargs(media_io_kwargs or {}, media or MediaConfig())
