@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, replace
 
 from vlmbatch.config import EngineConfig, MediaConfig, QueueConfig, WorkerConfig, from_json, to_json
@@ -75,7 +76,8 @@ def serve(model: str, broker_url: str, slot: str, dry_run: bool, configs: Proces
     try:
         preparer.start(AdapterSpec(model) if llm is not None else None)
         runtime.install(runtime.WorkerRuntime(model, llm, connect(broker_url), preparer, configs.engine, configs.queue,
-                                              slot, configs.worker.storage_options or {}))
+                                              slot, configs.worker.storage_options or {},
+                                              serve_metrics(configs.worker.metrics_port, llm, preparer)))
         app = make_app(broker_url, configs.queue)
         celery_worker = app.Worker(
             hostname=f"vlmbatch-{slot}-{os.getpid()}@{socket.gethostname()}",
@@ -92,6 +94,19 @@ def serve(model: str, broker_url: str, slot: str, dry_run: bool, configs: Proces
     finally:
         preparer.close()
     return int(celery_worker.exitcode or 0)
+
+
+def serve_metrics(port: int | None, llm: Any | None, preparer: Any) -> Any | None:
+    """This process's Prometheus endpoint on `port` (None: no metrics)."""
+    if port is None:
+        return None
+    from vlmbatch.workers.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(lambda: llm.engine.load() if llm is not None else None,
+                            lambda: preparer.pool.in_flight if preparer.pool is not None else 0)
+    metrics.serve(port)
+    logging.getLogger(__name__).info("metrics on port %d", port)
+    return metrics
 
 
 def pin_to_share(worker: WorkerConfig) -> None:

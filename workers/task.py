@@ -133,8 +133,12 @@ def _run_leased(
                 store.add_rows(shard_id, *unsent)
             unsent[:] = [0, 0]
 
+    metrics = worker.metrics
     options: dict[str, Any] = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress,
-                               "preparer": worker.preparer, "slot": worker.slot}
+                               "preparer": worker.preparer, "slot": worker.slot,
+                               "on_row": metrics.row_finished if metrics is not None else None}
+    if metrics is not None:
+        metrics.shard_started()
     try:
         if retry_errors:
             if run_shard(manifest, job_dir, shard_id, worker.llm, retry_errors=True, **options).stopped:
@@ -142,10 +146,15 @@ def _run_leased(
         else:
             run_guarded(manifest, job_dir, shard_id, worker.llm, store, worker.queue.poison_crashes, **options)
     except Exception as exc:
-        if not _stopped_early(exc):
+        stopped = _stopped_early(exc)
+        if metrics is not None:
+            metrics.shard_ended("stopped" if stopped else "failed")
+        if not stopped:
             with advisory("record the failed shard"):
                 store.set_shard_state(shard_id, "failed", worker=worker.worker_id, error=f"{type(exc).__name__}: {exc}")
         raise
+    if metrics is not None:
+        metrics.shard_ended("committed")
     ok, failed = part_counts(manifest.part_path(shard_id))  # the part, not this run: exact
     with advisory("record the committed shard"):
         store.set_rows(shard_id, ok, failed)
