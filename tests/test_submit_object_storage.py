@@ -120,3 +120,21 @@ def test_bad_object_storage_jobs_are_refused_by_plan_job(
         plan_job(f"{prefix}/rows.jsonl", str(tiny_qwen), f"{prefix}/out", storage_options=options)
     assert expected in str(refused.value)
     assert not resolve(f"{prefix}/out", s3_server.storage_options()).exists()
+
+
+def test_s3_media_urls_in_rows_load_through_the_media_rules(s3_server: S3Endpoint, tiny_qwen: Path, tmp_path: Path) -> None:
+    """Rows naming their images by s3:// URL (in-process job, local dataset): read with the
+    job's storage options; a missing object is that row's media_not_found."""
+    prefix = f"s3://{s3_server.bucket}/media-{uuid.uuid4().hex[:8]}"
+    put(s3_server, f"{prefix}/cat.png", png_bytes("green"), tmp_path)
+    dataset = tmp_path / "rows.jsonl"
+    rows = [{"id": "there", "prompt": qwen_prompt("Colour?"), "image": f"{prefix}/cat.png"},
+            {"id": "absent", "prompt": qwen_prompt("Colour?"), "image": f"{prefix}/dog.png"}]  # fmt: skip
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = vlmbatch("submit", str(dataset), "--model", str(tiny_qwen), "--output", str(tmp_path / "out"),
+                    "--storage-options", json.dumps(s3_server.storage_options()), "--engine", "hf", "--max-tokens", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_dir = tmp_path / "out" / proc.stdout.strip().splitlines()[0]
+    result = pq.read_table(job_dir / "results").sort_by("row_id").to_pylist()
+    assert [r["error_type"] for r in result] == [None, "media_not_found"], result
+    assert result[0]["num_input_tokens"] > 10  # the image's tokens are in the prompt
