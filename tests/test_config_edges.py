@@ -4,7 +4,6 @@ process on the command line instead of through the environment."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from typer.testing import CliRunner
