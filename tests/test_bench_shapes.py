@@ -69,3 +69,21 @@ def test_qwen3_folders_keep_the_published_sizes_and_image_tokens(tmp_path, name,
         assert json.loads((path / "config.json").read_text())["text_config"]["num_experts"] == 128  # what vLLM 0.26 reads
     adapter = load_adapter(str(path))
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + tokens
+
+
+def test_smolvlm2_folder_keeps_the_published_sizes_and_one_tile_per_w1_image(tmp_path):
+    from transformers import AutoConfig, AutoProcessor
+
+    from vlmbatch.families.registry import load_adapter
+
+    shape = resolve_shape("smolvlm2_2b")
+    path = write_model_folder(shape, tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["SmolVLMForConditionalGeneration"] and config.scale_factor == 3
+    assert (config.vision_config.image_size, config.vision_config.patch_size, config.vision_config.num_hidden_layers) == (384, 14, 27)
+    assert config.text_config.rope_parameters["rope_theta"] == 273768.0 and config.text_config.num_key_value_heads == 32
+    processor = AutoProcessor.from_pretrained(path)
+    assert processor.image_seq_len == 81 == (384 // 14) ** 2 // 3**2  # what the model's connector makes of one tile
+    assert json.loads((path / "preprocessor_config.json").read_text())["max_image_size"] == {"longest_edge": 384}
+    adapter = load_adapter(str(path))
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 3 + 81  # the global tile and its markers
