@@ -450,3 +450,56 @@ def test_video_failures_name_their_part(server: ServerProcess, media: MediaServe
         body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, video]}], "max_tokens": 2}
         error = _error(_post(server, body), 400)
         assert (error["code"], error["param"]) == (code, "messages[0].content[1].video_url"), url
+
+
+# ---- metrics -------------------------------------------------------------------------
+
+
+def _scrape(server: ServerProcess) -> dict[tuple[str, frozenset], float]:
+    """/metrics over HTTP, parsed by prometheus-client's own parser: (name, labels) → value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/metrics", timeout=10)  # no key: outside /v1
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def test_metrics_during_and_after_requests(client: openai.OpenAI, server: ServerProcess, tiny_qwen: Path) -> None:
+    def value(metrics: dict, name: str, **labels: str) -> float:
+        return metrics.get((name, frozenset(labels.items())), 0.0)
+
+    before = _scrape(server)
+    stream = client.chat.completions.create(
+        model=str(tiny_qwen), temperature=0, max_tokens=400, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "count"}], extra_body={"ignore_eos": True},
+    )
+    chunks = [next(stream)]
+    during = _scrape(server)  # the request is still generating: 400 tokens take a while
+    chunks.extend(stream)
+    refused = _post(server, {"messages": [{"role": "user", "content": "hi"}]}, key="wrong")
+    assert refused.status_code == 401
+    after = _scrape(server)
+
+    assert value(during, "vlmbatch_server_requests_running") == 1
+    assert value(during, "vlmbatch_server_requests_waiting") == 0
+    assert 0 < value(during, "vlmbatch_server_kv_cache_usage_ratio") <= 1
+    assert value(after, "vlmbatch_server_kv_cache_usage_ratio") < value(during, "vlmbatch_server_kv_cache_usage_ratio")
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 400
+    grew = {name: value(after, name) - value(before, name) for name in (
+        "vlmbatch_server_prompt_tokens_total", "vlmbatch_server_generation_tokens_total",
+        "vlmbatch_server_request_latency_seconds_count", "vlmbatch_server_time_to_first_token_seconds_count",
+        "vlmbatch_server_inter_token_latency_seconds_count")}
+    assert grew == {"vlmbatch_server_prompt_tokens_total": usage.prompt_tokens,
+                    "vlmbatch_server_generation_tokens_total": 400,
+                    "vlmbatch_server_request_latency_seconds_count": 1,
+                    "vlmbatch_server_time_to_first_token_seconds_count": 1,
+                    "vlmbatch_server_inter_token_latency_seconds_count": 399}  # fmt: skip
+    path = "/v1/chat/completions"
+    assert value(after, "vlmbatch_server_requests_total", path=path, status="200") - value(
+        before, "vlmbatch_server_requests_total", path=path, status="200") == 1
+    assert value(after, "vlmbatch_server_requests_total", path=path, status="401") - value(
+        before, "vlmbatch_server_requests_total", path=path, status="401") == 1
+    # The engine and media work run in threads of the server's one process: nothing to orphan.
+    assert psutil.Process(server.process.pid).children(recursive=True) == []

@@ -34,7 +34,7 @@ import torch
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.attention import create_backend, resolve_backend
-from vlmbatch.engine.base import Engine
+from vlmbatch.engine.base import Engine, EngineLoad
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import choose_kernels
@@ -190,6 +190,11 @@ class PagedEngine(Engine):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def load(self) -> EngineLoad:
+        blocks = self.block_manager.num_blocks
+        used = 1.0 - self.block_manager.num_free_blocks / blocks if blocks else 0.0
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), used)
 
     # ---- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

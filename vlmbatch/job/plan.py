@@ -13,7 +13,6 @@ from typing import Any
 
 from vlmbatch.config import EngineConfig, MediaConfig
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.config import EngineConfig
 from vlmbatch.errors import JobError
 from vlmbatch.structured.spec import StructuredOutput
 
@@ -101,11 +100,8 @@ def plan_job(
     from vlmbatch.io.output_schema import MANIFEST_KEY, manifest_entry
     from vlmbatch.io.readers import ShardPlan, open_dataset
     from vlmbatch.io.schema import SAMPLING_COLUMNS_KEY, sampling_columns
-    from vlmbatch.io.storage import is_remote
     from vlmbatch.structured.spec import STRUCTURED_KEYS
 
-    if broker and (is_remote(dataset) or is_remote(output)):
-        raise JobError("object-storage datasets and outputs run in-process for now: submit them without a broker")
     reader = open_dataset(dataset, columns, storage_options=storage_options)
     check_model(model)
     check_media_io_kwargs(media_io_kwargs or {}, media or MediaConfig())

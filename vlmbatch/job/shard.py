@@ -169,6 +169,7 @@ def run_shard(
     attempt: int = 1,
     should_stop: Callable[[], bool] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
     retry_errors: bool = False,
     row_range: tuple[int, int] | None = None,
     commit: bool = True,
@@ -185,6 +186,7 @@ def run_shard(
     process's worker and media configuration. JPEGs go to the engine undecoded as its
     `EngineConfig.gpu_image_decode` says, unless the job says otherwise (`submit
     --gpu-image-decode`). `slot` names the process's GPU in the shard's timing line.
+    `on_row` sees each result row as it is made (a worker's metrics).
     """
     from vlmbatch.io.results import read_part
     from vlmbatch.io.writer import write_part
@@ -224,6 +226,8 @@ def run_shard(
             outcome.rows_failed += 1
         if on_progress:
             on_progress(1 if ok else 0, 0 if ok else 1)
+        if on_row:
+            on_row(row)
 
     with closing(prepared):  # an early stop (cancel) shuts the preprocessing workers down
         if llm is None:
