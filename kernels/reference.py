@@ -167,3 +167,44 @@ def fused_moe_ref(
     rounds the product and then the weighting, and adds in float32 where it adds in bf16."""
     act = moe_gate_up_ref(hidden, w_gate_up, topk_ids)
     return moe_down_ref(act, w_down, topk_weights, topk_ids).float().sum(dim=1).to(hidden.dtype)
+
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn values, float32 scales [rows, groups]) of `x` [rows, K]: each token's
+    groups of `group` columns (None: the whole row) divided by amax / 448 (amax floored at
+    1e-12), clamped to +-448 and rounded to nearest even by torch's cast."""
+    rows, k = x.shape
+    group = group or k
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(rows, groups, group)
+    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows, groups * group)[:, :k], scale
+
+
+def expand_block_scales(scales: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """Per-element float32 scales [N, K] of block scales [ceil(N / rows), ceil(K / cols)]."""
+    n, k = shape
+    return scales.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+
+
+def dequantize_fp8_ref(w_q: torch.Tensor, w_s: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """float32 weight [N, K] of fp8 `w_q` and its scales: per channel ([N, 1]), block
+    ([ceil(N/group), ceil(K/group)]) or per-row block ([N, ceil(K/group)])."""
+    n, k = w_q.shape
+    rows = 1 if w_s.shape[0] == n else group
+    cols = k if w_s.shape[1] == 1 else group
+    return w_q.float() * expand_block_scales(w_s, (n, k), (rows, cols))
+
+
+def fp8_gemm_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32, group: int = 128) -> torch.Tensor:  # fmt: skip
+    """What `fp8_gemm` computes: the dequantized activation times the dequantized weight in
+    float32 (each group's scales applied to its float32 dot), plus bias, rounded once."""
+    out = dequantize_fp8_ref(a_q, a_s, group) @ dequantize_fp8_ref(w_q, w_s, group).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

@@ -136,6 +136,8 @@ ENGINES = ("auto", "paged", "hf")
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "flash-attn")
 DECODE_LINEAR = ("auto", "skinny", "cublas")
 GPU_IMAGE_DECODE = ("auto", "on", "off")
+QUANTIZATION = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,12 @@ class EngineConfig(Options):
     pdl: bool = option(True, "VLMBATCH_PDL", help="programmatic dependent launch in small decode graphs (Hopper+)")
     gpu_image_decode: str = option("auto", "VLMBATCH_GPU_IMAGE_DECODE", parse=_lower, choices=GPU_IMAGE_DECODE,
                                    help="JPEGs decoded by nvJPEG in the engine process (auto: paged engine on CUDA)")
+    quantization: str = option("none", "VLMBATCH_QUANTIZATION", parse=_lower, choices=QUANTIZATION,
+                               help="fp8: quantize the language model's weights at load (per channel, dynamic per-token "
+                                    "activations); a checkpoint's own quantization_config always applies")
+    quantize_vision: bool = option(False, "VLMBATCH_QUANTIZE_VISION", help="with --quantization fp8: the vision tower's linear layers too")
+    kv_cache_dtype: str = option("auto", "VLMBATCH_KV_CACHE_DTYPE", parse=_lower, choices=KV_CACHE_DTYPES,
+                                 help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale)")
     seed: int = option(0, "VLMBATCH_SEED", help="seeds torch, so unseeded sampling repeats run to run")
     trust_remote_code: bool = option(False, "VLMBATCH_TRUST_REMOTE_CODE", help="allow a checkpoint's own Python code")
 

@@ -29,7 +29,8 @@ from vlmbatch.engine.base import Engine
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import choose_kernels
-from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
+from vlmbatch.engine.fp8_loading import Fp8Load, read_fp8_weights
+from vlmbatch.engine.loading import load_hf_model, quantization_scheme, resolve_device, resolve_dtype
 from vlmbatch.engine.multimodal import place_media
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.runner import ModelRunner, PendingTokens
@@ -101,10 +102,13 @@ class PagedEngine(Engine):
         max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         backend_name, backend_reason = resolve_backend(config.attention_backend, device)
         kernels = choose_kernels(config, device, backend_name)
+        scheme = quantization_scheme(adapter.model_path, config.quantization, config.quantize_vision, config.trust_remote_code)
+        prequantized = scheme is not None and scheme.prequantized
         if hf_model is None:
-            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
+            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code, raw_fp8=prequantized)
         image_decoder = EncodedImageDecoder(adapter.model_path, device)
-        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder)
+        fp8 = Fp8Load(scheme, read_fp8_weights(adapter.model_path, scheme) if prequantized else None) if scheme else None
+        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder, fp8)
         self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
@@ -123,9 +127,11 @@ class PagedEngine(Engine):
         self.decodes_images_on_gpu = device.type == "cuda"
         self._in_flight: _InFlight | None = None
         kv_gib = self.runner.num_kv_blocks * self.runner.block_bytes / 2**30
-        log.info("paged engine: %s on %s in %s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
+        log.info("paged engine: %s on %s in %s%s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
                  "(%.1f GiB, %s); max %d sequences, %d tokens per step; %s decoding",
-                 adapter.family.name, device, str(dtype).removeprefix("torch."), backend_name, backend_reason,
+                 adapter.family.name, device, str(dtype).removeprefix("torch."),
+                 f", weights {scheme.describe()}{'' if kernels.fp8 else ' dequantized (no FP8 GEMMs here)'}" if scheme else "",
+                 backend_name, backend_reason,
                  kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib,
                  "as configured" if config.num_kv_blocks else "sized from free memory", max_num_seqs,
                  config.max_num_batched_tokens, "asynchronous" if self.async_decode else "awaited")
