@@ -56,10 +56,20 @@ def _quantized(fmt: str, key: str, weight: torch.Tensor) -> dict[str, torch.Tens
     return {key: q, f"{base}.weight_scale": s.to(torch.bfloat16)}
 
 
+def _loaded_experts(directory: Path, key: str) -> torch.Tensor:
+    """A fused expert tensor as transformers holds it (gate_up [E, 2I, hidden], down
+    [E, hidden, I]): the stored layout is transposed or not depending on the version
+    that saved it, and a square one cannot tell by its shape."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32)
+    return model.get_parameter(key).detach()
+
+
 def quantization_config(fmt: str) -> dict:
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
-                "modules_to_not_convert": ["lm_head", "model.visual", "model.vision_tower", "model.multi_modal_projector", "mlp.gate"]}
+                "modules_to_not_convert": ["lm_head", "visual", "model.visual", "model.vision_tower", "model.multi_modal_projector", "mlp.gate"]}
     scheme = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None, "actorder": None}
     return {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -88,8 +98,8 @@ def quantize_checkpoint(directory: str | Path, fmt: str) -> Path:
             fused = _FUSED_EXPERTS.match(key)
             if _LINEAR.search(key):
                 out.update(_quantized(fmt, key, tensor))
-            elif fused:  # [experts, hidden, 2I] / [experts, I, hidden], transposed: one tensor per expert
-                for expert, weight in enumerate(tensor.transpose(1, 2)):
+            elif fused:  # one tensor per expert, from transformers' own reading of the fused tensor
+                for expert, weight in enumerate(_loaded_experts(directory, key)):
                     names = ("gate_proj", "up_proj") if fused["name"] == "gate_up_proj" else ("down_proj",)
                     for name, part in zip(names, weight.chunk(len(names))):
                         out.update(_quantized(fmt, f"{fused['prefix']}.{expert}.{name}.weight", part.contiguous()))
