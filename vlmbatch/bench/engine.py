@@ -31,6 +31,7 @@ from vlmbatch.bench.peers.hf import run_hf_peer
 from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
+from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
 from vlmbatch.bench.timing import RunResult, run_engine
 from vlmbatch.bench.workloads import PROMPT_TOKENS, W2_OUTPUT_RANGE, Workload, build_workload
@@ -67,6 +68,7 @@ class BenchOptions:
     min_admission_batch: int = 64
     async_decode: bool = True  # False: every decode step awaited
     device: str = "auto"
+    quantization: str = "none"  # fp8: online FP8 on our engine (the logit reference holds the round-tripped weights)
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
@@ -168,7 +170,7 @@ def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device
         adapter, hf_model, dtype=dtype, device=device, max_model_len=PROMPT_TOKENS + W2_OUTPUT_RANGE[1],
         max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
-        attention_backend=options.attention_backend, async_decode=options.async_decode,
+        attention_backend=options.attention_backend, async_decode=options.async_decode, quantization=options.quantization,
     )
 
 
@@ -268,8 +270,11 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
                                         workload.head(peer_counts[name]), batch_size, device, echo)
                     if result is not None:
                         record(result)
-        reference = None if options.reference_layers else logit_reference(hf_model, adapter, options.check_prompts,
-                                                                           options.decode_steps, device)
+        if options.quantization == "fp8":  # the reference holds the weights our engine will run
+            round_trip_language_model(hf_model)
+        reference = None if options.reference_layers else logit_reference(
+            hf_model, adapter, options.check_prompts, options.decode_steps, device,
+            min_bound=FP8_MIN_BOUND if options.quantization == "fp8" else None)
         engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
         report.update(adapt.vision_tower(engine))

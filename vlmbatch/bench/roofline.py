@@ -37,7 +37,8 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
 
 def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of `batch` sequences with `context` cached tokens:
-    every dense weight but the embedding table is read once; of a mixture-of-experts layer
+    every dense weight but the embedding table is read once, at its own element size (1
+    byte for FP8 weights, plus their scales); of a mixture-of-experts layer
     only the experts the batch routes to, as many as `batch` uniform top-k draws are expected
     to hit (E * (1 - (1 - k/E)^batch)); each sequence reads its KV."""
     from vlmbatch.engine.layers.moe import FusedMoE
@@ -45,8 +46,11 @@ def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
     itemsize = decoder.embed_tokens.weight.dtype.itemsize
     experts = [m for m in decoder.modules() if isinstance(m, FusedMoE)]
     expert_params = {id(p) for m in experts for p in (m.gate_up, m.down)}
-    dense = sum(p.numel() for name, p in decoder.named_parameters() if not name.startswith("embed_tokens") and id(p) not in expert_params)
-    nbytes, flops = dense * itemsize, 2 * dense * batch
+    # FP8 layers hold their weights as 1-byte buffers (and float32 scales): each tensor counts at its own size.
+    tensors = [*decoder.named_parameters(), *decoder.named_buffers()]
+    dense = [t for name, t in tensors if not name.startswith("embed_tokens") and id(t) not in expert_params and t.dim() >= 1]
+    nbytes = sum(t.numel() * t.dtype.itemsize for t in dense)
+    flops = 2 * batch * sum(t.numel() for t in dense if t.dim() == 2 and t.shape[1] > 1)
     for moe in experts:
         count, top_k = moe.gate_up.shape[0], moe.top_k
         per_expert = moe.gate_up[0].numel() + moe.down[0].numel()

@@ -1,0 +1,78 @@
+"""`vlmbatch bench kernels --sections fp8`: FP8 products against bf16 cuBLAS on 3B/7B shapes.
+
+Each row times one layer's product, activation quantization included, in a CUDA graph over
+weights cycled past the L2 (as a decode step reads them): bf16 `F.linear`; the block layout
+(1x128 activation groups, 128x128 weight blocks) on our Triton GEMM; the per-channel layout
+on our Triton GEMM and on cuBLAS (`torch._scaled_mm`). `KernelSet.fp8`'s rule (Triton up
+to `FP8_TRITON_MAX_ROWS` rows, cuBLAS above, for per-channel weights) is read off this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vlmbatch.kernels.fp8 import fp8_gemm, quantize_fp8, scaled_mm
+from vlmbatch.kernels.reference import quantize_fp8_ref
+from vlmbatch.testing.fp8_checkpoints import quantize_blocks
+
+FP8_ROWS = (1, 16, 64, 256, 2048)
+
+# Logit bound of FP8 (w8a8 e4m3) against fp32 transformers on the same (round-tripped)
+# weights: the weights are then exact, but every linear layer's input is rounded to e4m3
+# (3 mantissa bits: relative error up to 2^-4, ~2^-4/sqrt(12) ≈ 1.8% RMS per element),
+# which bf16 (2^-9) is 32x finer than; the bf16 floor of 2e-2 times that margin, capped,
+# gives 0.15 of relative L2 per position (measured figures in docs/engine.md).
+FP8_MIN_BOUND = 0.15
+
+
+@torch.no_grad()
+def round_trip_language_model(hf_model: torch.nn.Module) -> int:
+    """Replace the decoder projections of `hf_model`'s language model by their per-channel
+    fp8 round trip (what `--quantization fp8` runs), in place; returns how many."""
+    count = 0
+    for name, module in hf_model.model.language_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
+            q, s = quantize_fp8_ref(module.weight.float(), None)
+            module.weight.copy_((q.float() * s).to(module.weight.dtype))
+            count += 1
+    return count
+
+
+def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph_ms_per_call: Callable, bytes_per_graph: int,
+                     rows: tuple[int, ...] = FP8_ROWS) -> list[dict]:  # fmt: skip
+    """One row per (model, layer, rows, variant); rel_err against bf16 `F.linear` on the
+    unquantized weight (the first of each cycle). `shapes`, `graph_ms_per_call` and
+    `bytes_per_graph` are `bench.kernels`' (the bf16 linear section's)."""
+    out = []
+    for model, layers in shapes.items():
+        for name, n, k in layers:
+            count = max(1, bytes_per_graph // (n * k))
+            base = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            bf16 = [base] + [torch.randn_like(base) for _ in range(max(1, count // 2) - 1)]
+            block = [quantize_blocks(base.float(), 128, 128)] + [_random_fp8(n, k, (-(-n // 128), -(-k // 128)), device) for _ in range(count - 1)]
+            channel = [quantize_fp8_ref(base.float(), None)] + [_random_fp8(n, k, (n, 1), device) for _ in range(count - 1)]
+            for num_rows in rows:
+                x = torch.randn(num_rows, k, device=device, dtype=torch.bfloat16)
+                expected = F.linear(x, base).float()
+
+                def add(variant: str, fn: Callable, weights: list, nbytes: int) -> None:
+                    result = fn(weights[0]).float()
+                    ms = graph_ms_per_call(fn, weights)
+                    out.append({"model": model, "layer": name, "rows": num_rows, "variant": variant, "us": 1000 * ms,
+                                "weight_tb_s": nbytes / ms / 1e9, "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tb_s,
+                                "rel_err": ((result - expected).norm() / expected.norm()).item()})  # fmt: skip
+
+                add("bf16 cublas", lambda w: F.linear(x, w), bf16, 2 * n * k)
+                add("fp8 block triton", lambda w: fp8_gemm(*quantize_fp8(x, 128), *w), block, n * k)
+                add("fp8 channel triton", lambda w: fp8_gemm(*quantize_fp8(x), *w), channel, n * k)
+                if n % 16 == 0 and k % 16 == 0:
+                    add("fp8 channel cublas", lambda w: scaled_mm(*quantize_fp8(x), *w), channel, n * k)
+            del bf16, block, channel
+    return out
+
+
+def _random_fp8(n: int, k: int, scale_shape: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, k, device=device).to(torch.float8_e4m3fn), torch.rand(scale_shape, device=device) * 1e-3
