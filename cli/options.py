@@ -50,7 +50,7 @@ QuantizationOption = typer.Option(
     "none. A checkpoint's own FP8 quantization_config always applies. Unset: VLMBATCH_QUANTIZATION, else none.",
 )
 QuantizeVisionOption = typer.Option(
-    None, "--quantize-vision/--no-quantize-vision",
+    None, "--quantize-vision",
     help="With --quantization fp8: the vision tower's linear layers too. Unset: VLMBATCH_QUANTIZE_VISION, else off.",
 )
 KvCacheDtypeOption = typer.Option(

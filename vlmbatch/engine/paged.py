@@ -38,7 +38,7 @@ from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
 from vlmbatch.engine.sequence import Sequence, SequenceStatus
 from vlmbatch.engine.stopping import IncrementalDetokenizer, find_stop
-from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.families.prompt import PreparedPrompt
 
@@ -102,6 +102,8 @@ class PagedEngine(Engine):
         max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         backend_name, backend_reason = resolve_backend(config.attention_backend, device)
         kernels = choose_kernels(config, device, backend_name)
+        if config.kv_cache_dtype != "auto":
+            raise JobError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not implemented yet (FP8 KV cache: issue 15); use auto")
         scheme = quantization_scheme(adapter.model_path, config.quantization, config.quantize_vision, config.trust_remote_code)
         prequantized = scheme is not None and scheme.prequantized
         if hf_model is None:
