@@ -41,16 +41,16 @@ def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
     byte for FP8 weights, plus their scales); of a mixture-of-experts layer
     only the experts the batch routes to, as many as `batch` uniform top-k draws are expected
     to hit (E * (1 - (1 - k/E)^batch)); each sequence reads its KV."""
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
     from vlmbatch.engine.layers.moe import FusedMoE
 
     itemsize = decoder.embed_tokens.weight.dtype.itemsize
     experts = [m for m in decoder.modules() if isinstance(m, FusedMoE)]
     expert_params = {id(p) for m in experts for p in (m.gate_up, m.down)}
-    # FP8 layers hold their weights as 1-byte buffers (and float32 scales): each tensor counts at its own size.
-    tensors = [*decoder.named_parameters(), *decoder.named_buffers()]
-    dense = [t for name, t in tensors if not name.startswith("embed_tokens") and id(t) not in expert_params and t.dim() >= 1]
-    nbytes = sum(t.numel() * t.dtype.itemsize for t in dense)
-    flops = 2 * batch * sum(t.numel() for t in dense if t.dim() == 2 and t.shape[1] > 1)
+    dense = [p for name, p in decoder.named_parameters() if not name.startswith("embed_tokens") and id(p) not in expert_params]
+    fp8 = [m for m in decoder.modules() if isinstance(m, Fp8Linear)]  # 1-byte weight buffers, float32 scales
+    nbytes = sum(p.numel() for p in dense) * itemsize + sum(m.weight.numel() + 4 * m.weight_scale.numel() for m in fp8)
+    flops = 2 * batch * (sum(p.numel() for p in dense) + sum(m.weight.numel() for m in fp8))
     for moe in experts:
         count, top_k = moe.gate_up.shape[0], moe.top_k
         per_expert = moe.gate_up[0].numel() + moe.down[0].numel()
