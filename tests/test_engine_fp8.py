@@ -190,3 +190,17 @@ def test_unsupported_compressed_tensors_schemes_are_refused():
     int8["format"] = "int-quantized"
     with pytest.raises(JobError, match="'int-quantized'"):
         checkpoint_scheme(int8)
+
+
+def test_quantize_vision_round_trips_the_towers_linear_layers_but_the_patch_embedding(tiny_model_dir):
+    """`quantize_vision` on the CPU: every linear layer of our Qwen2.5-VL tower holds its
+    per-channel fp8 round trip (dequantized), the patch embedding its original weight."""
+    path = str(tiny_model_dir("qwen2_5_vl"))
+    adapter = load_adapter(path)
+    plain = PagedEngine(adapter, EngineConfig(**ENGINE)).model.tower
+    tower = PagedEngine(adapter, EngineConfig(**ENGINE, quantization="fp8", quantize_vision=True)).model.tower
+    assert torch.equal(tower.patch_embed.weight, plain.patch_embed.weight)
+    w = plain.blocks[0].attn.qkv.weight
+    scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+    assert torch.equal(tower.blocks[0].attn.qkv.weight, (w / scale).to(torch.float8_e4m3fn).float() * scale)
+    assert not torch.equal(tower.merger_fc2.weight, plain.merger_fc2.weight)
