@@ -43,8 +43,10 @@ def bench_engine(
     gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for our weights, activations and KV cache."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     async_decode: bool = typer.Option(True, "--async-decode/--sync-decode", help="Launch each decode step before reading the previous one's tokens (the engine's default), or await every step."),
-    quantization: str = typer.Option("none", "--quantization", help="fp8: our engine quantizes the language model online "
-                                     "(per channel, dynamic per token); the logits are checked against fp32 transformers on the round-tripped weights."),
+    quantization: str = typer.Option("none", "--quantization", help="fp8 (per channel, dynamic per token) or fp8-block (128x128 "
+                                     "blocks, 1x128 activation groups): our engine quantizes the language model online, vLLM runs a dummy "
+                                     "checkpoint of the same published format, and the logits are checked against fp32 transformers on the "
+                                     "round-tripped weights."),
     json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
@@ -59,6 +61,8 @@ def bench_engine(
             raise typer.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}", param_hint=flag)
     if model is None:
         shape_or_exit(model_shape)
+    if quantization not in ("none", "fp8", "fp8-block"):
+        raise typer.BadParameter("choose none, fp8 or fp8-block", param_hint="--quantization")
     options = BenchOptions(
         model_shape=model_shape, model=model, requests=requests, peers=peers, peer_requests_w1=peer_requests_w1,
         peer_requests_w2=peer_requests_w2, peer_batches=int_list(peer_batches, "--peer-batches"),

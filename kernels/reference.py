@@ -185,6 +185,18 @@ def quantize_fp8_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.T
     return q.view(rows, groups * group)[:, :k], scale
 
 
+def quantize_fp8_blocks_ref(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scales [ceil(N/block), ceil(K/block)]) of a weight
+    [N, K]: each block x block tile scaled so its largest magnitude is 448, as block-wise
+    FP8 checkpoints store it."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    tiles = F.pad(w.float(), (0, kb * block - k, 0, nb * block - n)).view(nb, block, kb, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
+
+
 def expand_block_scales(scales: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
     """Per-element float32 scales [N, K] of block scales [ceil(N / rows), ceil(K / cols)]."""
     n, k = shape

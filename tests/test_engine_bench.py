@@ -107,3 +107,30 @@ def test_decode_step_cost_of_a_mixture_of_experts_counts_the_experts_a_batch_rea
     many, _ = decode_step_cost(decoder, batch=10_000, context=0)
     assert many == pytest.approx(4 * (dense + 2 * 8 * per_expert))  # a large batch reads every expert
     assert one_flops == 2 * (dense + 2 * 2 * per_expert)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
+def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_weights(tmp_path, quantization):
+    """On the CPU our engine dequantizes the FP8 weights at load, so against transformers
+    holding the same round-tripped weights in fp32 the logits agree to float32 rounding
+    (requantizing a round-tripped weight gives back its fp8 values); the reported bound is
+    the FP8 one used on the GPU."""
+    from vlmbatch.bench.fp8 import FP8_MIN_BOUND
+    from vlmbatch.cli.commands import app
+
+    out = tmp_path / "engine.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(app, [
+            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "2", "--peer", "",
+            "--workloads", "w1", "--check-prompts", "2", "--decode-steps", "4", "--decode-batches", "2", "--extra-shapes", "",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "600", "--backends", "torch", "--quantization", quantization,
+            "--json", str(out),
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    correctness = json.loads(out.read_text())["correctness"]
+    assert correctness["bound_max_rel_err"] == FP8_MIN_BOUND
+    assert correctness["backends"]["torch"]["max_rel_err"] < 1e-4 and correctness["backends"]["torch"]["top1_agreement"] == 1.0

@@ -183,7 +183,7 @@ LAYERS: dict[str, set[str]] = {
     "config": set(),
     "quantization": set(),
     "kernels": set(),
-    "testing": {"families", "media"},
+    "testing": {"families", "media", "kernels"},
 }
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vlmbatch.kernels.fp8 import fp8_gemm, quantize_fp8, scaled_mm
-from vlmbatch.kernels.reference import fp8_gemm_ref, quantize_fp8_ref
+from vlmbatch.kernels.reference import fp8_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 from vlmbatch.kernels.testing import kernel_target
 
 TARGET = kernel_target()
@@ -84,9 +84,8 @@ def test_fp8_linear_block_layout_in_a_cuda_graph():
     """A block-layout `Fp8Linear` on 3B's gate/up shape, captured into a graph and replayed."""
     from vlmbatch.engine.kernel_choice import fp8_gemms
     from vlmbatch.engine.layers.fp8_linear import Fp8Linear
-    from vlmbatch.testing.fp8_checkpoints import quantize_blocks
-
-    w_q, w_s = quantize_blocks(torch.randn(22016, 2048, device="cuda") * 0.02, 128, 128)
+    
+    w_q, w_s = quantize_fp8_blocks_ref(torch.randn(22016, 2048, device="cuda") * 0.02)
     layer = Fp8Linear(w_q, w_s, None, fp8_gemms(torch.device("cuda")))
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
     eager = layer(x)

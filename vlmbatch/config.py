@@ -136,7 +136,7 @@ ENGINES = ("auto", "paged", "hf")
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "flash-attn")
 DECODE_LINEAR = ("auto", "skinny", "cublas")
 GPU_IMAGE_DECODE = ("auto", "on", "off")
-QUANTIZATION = ("none", "fp8")
+QUANTIZATION = ("none", "fp8", "fp8-block")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -175,7 +175,8 @@ class EngineConfig(Options):
                                    help="JPEGs decoded by nvJPEG in the engine process (auto: paged engine on CUDA)")
     quantization: str = option("none", "VLMBATCH_QUANTIZATION", parse=_lower, choices=QUANTIZATION,
                                help="fp8: quantize the language model's weights at load (per channel, dynamic per-token "
-                                    "activations); a checkpoint's own quantization_config always applies")
+                                    "activations); fp8-block: in 128x128 blocks (1x128 activation groups), as Qwen's -FP8 "
+                                    "releases; a checkpoint's own quantization_config always applies")
     quantize_vision: bool = option(False, "VLMBATCH_QUANTIZE_VISION", help="with --quantization fp8: the vision tower's linear layers too")
     kv_cache_dtype: str = option("auto", "VLMBATCH_KV_CACHE_DTYPE", parse=_lower, choices=KV_CACHE_DTYPES,
                                  help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale)")

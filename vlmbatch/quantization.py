@@ -12,8 +12,9 @@ the model is loaded (at submit, as other model errors), naming what was found:
   output channel, activations dynamic per token; the `ignore` list (names, or `re:`
   patterns) stays as is.
 
-Online quantization (`EngineConfig.quantization == "fp8"`) is the second format built at
-load time from bf16 weights: per output channel, dynamic per token.
+Online quantization builds either format at load time from bf16 weights:
+`EngineConfig.quantization == "fp8"` per output channel with dynamic per-token
+activations, `"fp8-block"` in 128x128 blocks with 1x128 activation groups.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from vlmbatch.errors import JobError
 BLOCK = "fp8-block"  # 128x128 weight blocks, 1x128 activation groups
 CHANNEL = "fp8-channel"  # per output channel weights, per token activations
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-QUANTIZATION_CHOICES = ("none", "fp8")
+QUANTIZATION_CHOICES = ("none", "fp8", "fp8-block")
 
 
 class UnsupportedQuantization(JobError):
@@ -71,9 +72,10 @@ def online_scheme(quantization: str, quantize_vision: bool = False) -> Fp8Scheme
     """The scheme of `--quantization` for a checkpoint without its own (None: `none`)."""
     if quantization in ("", "none"):
         return None
-    if quantization != "fp8":
+    if quantization not in QUANTIZATION_CHOICES:
         raise UnsupportedQuantization(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_CHOICES)}")
-    return Fp8Scheme(CHANNEL, prequantized=False, quantize_vision=quantize_vision,
+    block = (128, 128) if quantization == "fp8-block" else None
+    return Fp8Scheme(BLOCK if block else CHANNEL, block=block, prequantized=False, quantize_vision=quantize_vision,
                      ignore=("lm_head", "re:.*mlp\\.gate$"))  # fmt: skip
 
 

@@ -31,7 +31,7 @@ from vlmbatch.bench.peers.hf import run_hf_peer
 from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
-from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model
+from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model, vllm_model_folder
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
 from vlmbatch.bench.timing import RunResult, run_engine
 from vlmbatch.bench.workloads import PROMPT_TOKENS, W2_OUTPUT_RANGE, Workload, build_workload
@@ -68,7 +68,9 @@ class BenchOptions:
     min_admission_batch: int = 64
     async_decode: bool = True  # False: every decode step awaited
     device: str = "auto"
-    quantization: str = "none"  # fp8: online FP8 on our engine (the logit reference holds the round-tripped weights)
+    # fp8 / fp8-block: online FP8 on our engine, per channel or in 128x128 blocks (the logit
+    # reference holds the round-tripped weights; vLLM gets the same format as a dummy checkpoint)
+    quantization: str = "none"
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
@@ -270,11 +272,11 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
                                         workload.head(peer_counts[name]), batch_size, device, echo)
                     if result is not None:
                         record(result)
-        if options.quantization == "fp8":  # the reference holds the weights our engine will run
-            round_trip_language_model(hf_model)
+        fp8 = options.quantization != "none"
+        if fp8:  # the reference holds the weights our engine will run
+            round_trip_language_model(hf_model, options.quantization)
         reference = None if options.reference_layers else logit_reference(
-            hf_model, adapter, options.check_prompts, options.decode_steps, device,
-            min_bound=FP8_MIN_BOUND if options.quantization == "fp8" else None)
+            hf_model, adapter, options.check_prompts, options.decode_steps, device, min_bound=FP8_MIN_BOUND if fp8 else None)
         engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
         report.update(adapt.vision_tower(engine))
@@ -353,6 +355,8 @@ def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapte
     warmup = build_workload("w1", adapter, VLLM_WARMUP_REQUESTS, seed=99)
     free_before = torch.cuda.mem_get_info(device)[0]
     echo(f"vllm: {len(timed)} workloads of {options.requests} requests after {VLLM_WARMUP_REQUESTS} warm-up requests, in a child process")
+    if options.quantization != "none" and not options.model:  # the same FP8 format as ours, dummy weights
+        folder = vllm_model_folder(folder, options.quantization)
     result = run_vllm_peer(folder, "auto" if options.model else "dummy", warmup, list(timed.values()),
                            options.vllm_gpu_memory_utilization, options.vllm_timeout_s, workdir, env, list(options.vllm_pythonpath))
     _wait_for_memory(device, free_before)

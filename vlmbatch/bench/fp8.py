@@ -9,14 +9,17 @@ to `FP8_TRITON_MAX_ROWS` rows, cuBLAS above, for per-channel weights) is read of
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from vlmbatch.kernels.fp8 import fp8_gemm, quantize_fp8, scaled_mm
-from vlmbatch.kernels.reference import quantize_fp8_ref
-from vlmbatch.testing.fp8_checkpoints import quantize_blocks
+from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
+from vlmbatch.testing.fp8_checkpoints import quantization_config
 
 FP8_ROWS = (1, 16, 64, 256, 2048)
 
@@ -29,16 +32,30 @@ FP8_MIN_BOUND = 0.15
 
 
 @torch.no_grad()
-def round_trip_language_model(hf_model: torch.nn.Module) -> int:
-    """Replace the decoder projections of `hf_model`'s language model by their per-channel
-    fp8 round trip (what `--quantization fp8` runs), in place; returns how many."""
+def round_trip_language_model(hf_model: torch.nn.Module, quantization: str) -> int:
+    """Replace the decoder projections of `hf_model`'s language model by their fp8 round
+    trip in the layout `quantization` names (`fp8`: per channel, `fp8-block`: 128x128),
+    what our engine then runs, in place; returns how many."""
     count = 0
     for name, module in hf_model.model.language_model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
-            q, s = quantize_fp8_ref(module.weight.float(), None)
-            module.weight.copy_((q.float() * s).to(module.weight.dtype))
+            w = module.weight.float()
+            q, s = quantize_fp8_blocks_ref(w) if quantization == "fp8-block" else quantize_fp8_ref(w, None)
+            module.weight.copy_(dequantize_fp8_ref(q, s).to(module.weight.dtype))
             count += 1
     return count
+
+
+def vllm_model_folder(folder: Path, quantization: str) -> Path:
+    """A copy of the bench model folder whose config.json names the published checkpoint
+    format of `quantization` (compressed-tensors per channel for `fp8`, Qwen's block-wise
+    for `fp8-block`): vLLM's dummy loader then builds and runs that format's own layers."""
+    target = folder.with_name(f"{folder.name}-{quantization}")
+    shutil.copytree(folder, target, dirs_exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = quantization_config("fp8-block" if quantization == "fp8-block" else "fp8-dynamic")
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
 
 
 def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph_ms_per_call: Callable, bytes_per_graph: int,
@@ -52,7 +69,7 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
             count = max(1, bytes_per_graph // (n * k))
             base = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
             bf16 = [base] + [torch.randn_like(base) for _ in range(max(1, count // 2) - 1)]
-            block = [quantize_blocks(base.float(), 128, 128)] + [_random_fp8(n, k, (-(-n // 128), -(-k // 128)), device) for _ in range(count - 1)]
+            block = [quantize_fp8_blocks_ref(base.float())] + [_random_fp8(n, k, (-(-n // 128), -(-k // 128)), device) for _ in range(count - 1)]
             channel = [quantize_fp8_ref(base.float(), None)] + [_random_fp8(n, k, (n, 1), device) for _ in range(count - 1)]
             for num_rows in rows:
                 x = torch.randn(num_rows, k, device=device, dtype=torch.bfloat16)

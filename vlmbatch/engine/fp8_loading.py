@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
-from vlmbatch.engine.layers.fp8_linear import Fp8Linear, dequantize, fuse, quantize_per_channel
+from vlmbatch.engine.layers.fp8_linear import Fp8Linear, dequantize, fuse, quantize_online
 from vlmbatch.engine.layers.linear import Linear
-from vlmbatch.quantization import Fp8Scheme, UnsupportedQuantization
+from vlmbatch.quantization import BLOCK, Fp8Scheme, UnsupportedQuantization
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +121,24 @@ def apply_fp8(decoder: nn.Module, scheme: Fp8Scheme, weights: Fp8Weights | None,
                     if any(p is None for p in parts):
                         raise UnsupportedQuantization(f"FP8 checkpoint: {prefix}.{'/'.join(theirs)} are quantized only in part")
                     w, s = fuse(parts)
-                else:
-                    w, s = quantize_per_channel(linear.weight)
+                else:  # online: each projection on its own, then fused, as a checkpoint's would be
+                    rows = _part_rows(module, ours, linear.weight.shape[0])
+                    w, s = fuse([quantize_online(part, blocks=scheme.format == BLOCK) for part in linear.weight.split(rows)])
                 setattr(module, ours, _converted(linear, w, s, kernels, dtype))
                 converted += 1
     if weights is not None and weights.tensors:
         left = sorted(weights.tensors)[:3]
         raise UnsupportedQuantization(f"FP8 checkpoint: quantized weights our decoder has no place for, e.g. {left}")
     return converted
+
+
+def _part_rows(module: nn.Module, fused: str, rows: int) -> list[int]:
+    """The output rows of each projection stacked in `module.<fused>` (q/k/v, gate/up)."""
+    if fused == "qkv_proj":
+        return [module.q_size, module.kv_size, module.kv_size]
+    if fused == "gate_up_proj":
+        return [rows // 2, rows // 2]
+    return [rows]
 
 
 def _converted(linear: Linear, w: torch.Tensor, s: torch.Tensor, kernels: KernelSet, dtype: torch.dtype) -> nn.Module:
@@ -174,7 +184,7 @@ def quantize_linears(roots: list[nn.Module], kernels: KernelSet, dtype: torch.dt
         for parent in list(root.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) in (nn.Linear, Linear) and "patch_embed" not in name:
-                    w, s = quantize_per_channel(child.weight)
+                    w, s = quantize_online(child.weight)
                     setattr(parent, name, _converted(child, w, s, kernels, dtype))
                     converted += 1
     return converted

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from vlmbatch.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_ref
+
 FORMATS = ("fp8-block", "fp8-dynamic")
 BLOCK = 128
 # The language model's dense linear weights (attention and MLP projections).
@@ -34,25 +35,12 @@ _LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
 
-def quantize_blocks(weight: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, float32 scales [ceil(N/rows), ceil(K/cols)]): each rows x cols block
-    scaled so that its largest magnitude is 448 (a quantizer's round-to-nearest). Written
-    here independently of the engine's quantizer, as a checkpoint tool would be."""
-    n, k = weight.shape
-    nb, kb = -(-n // rows), -(-k // cols)
-    padded = torch.nn.functional.pad(weight.float(), (0, kb * cols - k, 0, nb * rows - n))
-    blocks = padded.view(nb, rows, kb, cols)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(nb * rows, kb * cols)[:n, :k].contiguous(), scale
-
-
 def _quantized(fmt: str, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     base = key.removesuffix(".weight")
     if fmt == "fp8-block":
-        q, s = quantize_blocks(weight, BLOCK, BLOCK)
+        q, s = quantize_fp8_blocks_ref(weight, BLOCK)
         return {key: q, f"{base}.weight_scale_inv": s.float()}
-    q, s = quantize_blocks(weight, 1, weight.shape[1])
+    q, s = quantize_fp8_ref(weight.float(), None)
     return {key: q, f"{base}.weight_scale": s.to(torch.bfloat16)}
 
 

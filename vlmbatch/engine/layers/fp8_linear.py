@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from vlmbatch.engine.kernel_choice import Fp8Gemms
-from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_ref
+from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 
 GROUP = 128  # block-wise checkpoints: 128x128 weight blocks, 1x128 activation groups
 
@@ -57,9 +57,10 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, {layout}"
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online quantization of a compute-dtype weight: fp8 [N, K] and float32 scales [N, 1]."""
-    return quantize_fp8_ref(weight, None)
+def quantize_online(weight: torch.Tensor, blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online quantization of a compute-dtype weight: fp8 [N, K] and float32 scales, [N, 1]
+    per channel or [ceil(N/128), ceil(K/128)] in blocks."""
+    return quantize_fp8_blocks_ref(weight, GROUP) if blocks else quantize_fp8_ref(weight, None)
 
 
 def fuse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
