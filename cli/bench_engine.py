@@ -47,6 +47,9 @@ def bench_engine(
                                      "blocks, 1x128 activation groups): our engine quantizes the language model online, vLLM runs a dummy "
                                      "checkpoint of the same published format, and the logits are checked against fp32 transformers on the "
                                      "round-tripped weights."),
+    load_format: str = typer.Option("auto", "--load-format", help="dummy: our engine builds its random weights on the GPU in "
+                                    "their final dtype (FP8 directly, no bf16 copy: qwen2_5_vl_72b on one H200); no generate() peer; "
+                                    "logits checked only with --reference-layers."),
     json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
@@ -75,6 +78,7 @@ def bench_engine(
         profile_batches=int_list(profile_batches, "--profile-batches", allow_empty=True), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode, quantization=quantization,
+        load_format=load_format,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)
     report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)),

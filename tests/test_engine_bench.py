@@ -134,3 +134,27 @@ def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_we
     correctness = json.loads(out.read_text())["correctness"]
     assert correctness["bound_max_rel_err"] == FP8_MIN_BOUND
     assert correctness["backends"]["torch"]["max_rel_err"] < 1e-4 and correctness["backends"]["torch"]["top1_agreement"] == 1.0
+
+
+def test_bench_engine_dummy_load_reports_the_kv_cache_left_and_checks_a_cut_model(tmp_path):
+    """`--load-format dummy` (the 72B path): no transformers copy of the model, so no
+    generate() peer; the logits are checked on the shape cut to --reference-layers."""
+    from vlmbatch.cli.commands import app
+
+    out = tmp_path / "engine.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(app, [
+            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "2", "--peer", "hf",
+            "--workloads", "w1", "--check-prompts", "1", "--decode-steps", "2", "--decode-batches", "1", "--extra-shapes", "",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "600", "--backends", "torch", "--quantization", "fp8",
+            "--load-format", "dummy", "--reference-layers", "1", "--json", str(out),
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["peers"]["hf"]["status"] == "skipped" and report["correctness"]["reference_layers"] == 1
+    assert report["memory"]["kv_blocks"] > 0 and report["memory"]["decoder_weights_gib"] > 0
+    assert "KV cache" in result.output and {r["engine"] for r in report["runs"]} == {"paged"}

@@ -204,3 +204,19 @@ def test_quantize_vision_round_trips_the_towers_linear_layers_but_the_patch_embe
     scale = w.abs().amax(dim=1, keepdim=True) / 448.0
     assert torch.equal(tower.blocks[0].attn.qkv.weight, (w / scale).to(torch.float8_e4m3fn).float() * scale)
     assert not torch.equal(tower.merger_fc2.weight, plain.merger_fc2.weight)
+
+
+def test_dummy_load_builds_the_full_depth_without_transformers_weights(tiny_model_dir):
+    """`load_format="dummy"`: transformers builds a one-layer language model (only its tower
+    and position rules are kept), our decoder gets the checkpoint's full depth of random
+    weights, and requests run."""
+    path = str(tiny_model_dir("qwen2_5_vl"))
+    adapter = load_adapter(path)
+    engine = PagedEngine(adapter, EngineConfig(**ENGINE, load_format="dummy", quantization="fp8"))
+    decoder = engine.model.decoder
+    from transformers import AutoConfig
+
+    assert len(decoder.layers) == AutoConfig.from_pretrained(path).get_text_config().num_hidden_layers == 2  # the cut model has 1
+    assert all(not p.is_meta for p in decoder.parameters()) and torch.equal(decoder.norm.weight, torch.ones_like(decoder.norm.weight))
+    _, outputs = run_greedy(engine, adapter, build_requests(adapter, "qwen2_5_vl", 2, seed=1))
+    assert all(o.outputs[0].token_ids for o in outputs.values())

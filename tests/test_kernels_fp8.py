@@ -108,3 +108,24 @@ def test_kernels_run_under_the_triton_interpreter():
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["blocks", "channel"])
+def test_kernel_fp8_linear_is_the_quantized_product(layout):
+    """`Fp8Linear` end to end (activation quantization + GEMM, leading dims kept) against
+    the references; on the CPU up to the interpreter's few wrong e4m3 casts of activations."""
+    from vlmbatch.engine.kernel_choice import Fp8Gemms
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
+    from vlmbatch.kernels.fp8 import scaled_mm_supported
+
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported)
+    w = torch.randn(192, 256, device=DEVICE) * 0.02
+    w_q, w_s = quantize_fp8_blocks_ref(w) if layout == "blocks" else quantize_fp8_ref(w, None)
+    bias = torch.randn(192, device=DEVICE)
+    layer = Fp8Linear(w_q, w_s, bias, gemms)
+    x = torch.randn(2, 3, 256, device=DEVICE)
+    out = layer(x)
+    a_q, a_s = quantize_fp8_ref(x.reshape(6, 256), 128 if layout == "blocks" else None)
+    ref = fp8_gemm_ref(a_q, a_s, w_q, w_s, bias).reshape(2, 3, 192)
+    assert out.shape == (2, 3, 192) and (out - ref).norm() / ref.norm() < (1e-5 if DEVICE == "cuda" else 5e-2)

@@ -138,6 +138,7 @@ DECODE_LINEAR = ("auto", "skinny", "cublas")
 GPU_IMAGE_DECODE = ("auto", "on", "off")
 QUANTIZATION = ("none", "fp8", "fp8-block")
 KV_CACHE_DTYPES = ("auto", "fp8")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,9 @@ class EngineConfig(Options):
     quantize_vision: bool = option(False, "VLMBATCH_QUANTIZE_VISION", help="with --quantization fp8: the vision tower's linear layers too")
     kv_cache_dtype: str = option("auto", "VLMBATCH_KV_CACHE_DTYPE", parse=_lower, choices=KV_CACHE_DTYPES,
                                  help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale)")
+    load_format: str = option("auto", "VLMBATCH_LOAD_FORMAT", parse=_lower, choices=LOAD_FORMATS,
+                              help="auto (the checkpoint's weights) or dummy (random weights of its shapes, built on the device "
+                                   "in their final dtype, FP8 layers directly in fp8: benchmarks of models whose bf16 copy would not fit)")
     seed: int = option(0, "VLMBATCH_SEED", help="seeds torch, so unseeded sampling repeats run to run")
     trust_remote_code: bool = option(False, "VLMBATCH_TRUST_REMOTE_CODE", help="allow a checkpoint's own Python code")
 

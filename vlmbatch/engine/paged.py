@@ -29,6 +29,7 @@ from vlmbatch.engine.base import Engine
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import choose_kernels
+from vlmbatch.engine.dummy_weights import dummy_hf_model
 from vlmbatch.engine.fp8_loading import Fp8Load, read_fp8_weights
 from vlmbatch.engine.loading import load_hf_model, quantization_scheme, resolve_device, resolve_dtype
 from vlmbatch.engine.multimodal import place_media
@@ -105,12 +106,15 @@ class PagedEngine(Engine):
         if config.kv_cache_dtype != "auto":
             raise JobError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not implemented yet (FP8 KV cache: issue 15); use auto")
         scheme = quantization_scheme(adapter.model_path, config.quantization, config.quantize_vision, config.trust_remote_code)
-        prequantized = scheme is not None and scheme.prequantized
-        if hf_model is None:
+        dummy = config.load_format == "dummy"
+        prequantized = scheme is not None and scheme.prequantized and not dummy
+        if hf_model is None and dummy:
+            hf_model = dummy_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
+        elif hf_model is None:
             hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code, raw_fp8=prequantized)
         image_decoder = EncodedImageDecoder(adapter.model_path, device)
         fp8 = Fp8Load(scheme, read_fp8_weights(adapter.model_path, scheme) if prequantized else None) if scheme else None
-        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder, fp8)
+        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder, fp8, dummy)
         self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
