@@ -50,6 +50,7 @@ def bench_engine(
     load_format: str = typer.Option("auto", "--load-format", help="dummy: our engine builds its random weights on the GPU in "
                                     "their final dtype (FP8 directly, no bf16 copy: qwen2_5_vl_72b on one H200); no generate() peer; "
                                     "logits checked only with --reference-layers."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="fp8: our engine's KV cache in e4m3 (per-tensor scale 1)."),
     json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
@@ -78,7 +79,7 @@ def bench_engine(
         profile_batches=int_list(profile_batches, "--profile-batches", allow_empty=True), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode, quantization=quantization,
-        load_format=load_format,
+        load_format=load_format, kv_cache_dtype=kv_cache_dtype,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)
     report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)),

@@ -55,7 +55,8 @@ QuantizeVisionOption = typer.Option(
 )
 KvCacheDtypeOption = typer.Option(
     None, "--kv-cache-dtype",
-    help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3 with per-tensor scales). Unset: VLMBATCH_KV_CACHE_DTYPE, else auto.",
+    help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale 1: twice the tokens of bf16). "
+    "Unset: VLMBATCH_KV_CACHE_DTYPE, else auto.",
 )
 StorageOptionsOption = typer.Option(
     None,

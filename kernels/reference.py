@@ -22,8 +22,16 @@ def store_kvcache_ref(
     """Write token i's k/v (`[num_tokens, kv_heads, head_dim]`) into flat slot `slot_mapping[i]`; -1 skips it."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_ref(k[keep], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_ref(v[keep], v_cache.dtype)
+
+
+def to_cache_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a KV cache of `cache_dtype` stores it: an FP8 cache clamps to +-448 (e4m3's
+    range; torch's cast would give NaN past it), then rounds to nearest even."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return x.clamp(-448.0, 448.0).to(cache_dtype)
+    return x.to(cache_dtype)
 
 
 def gather_paged_kv(

@@ -220,3 +220,28 @@ def test_dummy_load_builds_the_full_depth_without_transformers_weights(tiny_mode
     assert all(not p.is_meta for p in decoder.parameters()) and torch.equal(decoder.norm.weight, torch.ones_like(decoder.norm.weight))
     _, outputs = run_greedy(engine, adapter, build_requests(adapter, "qwen2_5_vl", 2, seed=1))
     assert all(o.outputs[0].token_ids for o in outputs.values())
+
+
+def test_fp8_kv_cache_on_the_torch_backend(tiny_model_dir):
+    """`kv_cache_dtype="fp8"`: the caches are float8_e4m3fn (a quarter of fp32's bytes per
+    block, so four times the blocks from the same memory), the torch backend's decode over
+    them equals the reference over the same e4m3 values, and requests run through it."""
+    from vlmbatch.engine.attention import AttentionMetadata, TorchBackend
+    from vlmbatch.kernels import paged_decode_attention_ref
+    from vlmbatch.kernels.testing import make_paged_kv
+
+    kv = make_paged_kv([3, 20], 2, 16, 4, torch.float32, "cpu", seed=1)
+    k_cache, v_cache = kv.k_cache.to(torch.float8_e4m3fn), kv.v_cache.to(torch.float8_e4m3fn)
+    q = torch.randn(2, 4, 16)
+    meta = AttentionMetadata(False, torch.zeros(2, dtype=torch.long), kv.block_tables.clamp(min=0), kv.context_lens)
+    torch.testing.assert_close(TorchBackend().decode(q, k_cache, v_cache, meta, 0.25),
+                               paged_decode_attention_ref(q, k_cache, v_cache, kv.block_tables, kv.context_lens, 0.25))  # fmt: skip
+
+    adapter = load_adapter(str(tiny_model_dir("qwen2_5_vl")))
+    options = {**ENGINE, "num_kv_blocks": None}
+    plain, fp8 = (PagedEngine(adapter, EngineConfig(**options, kv_cache_dtype=kv)) for kv in ("auto", "fp8"))
+    assert fp8.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and fp8.runner.block_bytes * 4 == plain.runner.block_bytes
+    assert fp8.runner.num_kv_blocks == 4 * plain.runner.num_kv_blocks
+    _, outputs = run_greedy(fp8, adapter, build_requests(adapter, "qwen2_5_vl", 3, seed=2))
+    assert len(outputs) == 3 and all(o.outputs[0].token_ids for o in outputs.values())
+    assert fp8.runner.kv_caches[0][0].float().abs().sum() > 0

@@ -180,7 +180,7 @@ class EngineConfig(Options):
                                     "releases; a checkpoint's own quantization_config always applies")
     quantize_vision: bool = option(False, "VLMBATCH_QUANTIZE_VISION", help="with --quantization fp8: the vision tower's linear layers too")
     kv_cache_dtype: str = option("auto", "VLMBATCH_KV_CACHE_DTYPE", parse=_lower, choices=KV_CACHE_DTYPES,
-                                 help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale)")
+                                 help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale 1)")
     load_format: str = option("auto", "VLMBATCH_LOAD_FORMAT", parse=_lower, choices=LOAD_FORMATS,
                               help="auto (the checkpoint's weights) or dummy (random weights of its shapes, built on the device "
                                    "in their final dtype, FP8 layers directly in fp8: benchmarks of models whose bf16 copy would not fit)")

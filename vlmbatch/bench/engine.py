@@ -74,6 +74,7 @@ class BenchOptions:
     # dummy: our engine builds random weights itself, FP8 directly in fp8 (the 72B shapes on one
     # GPU); no generate() peer, logits only with --reference-layers (a cut bf16 model)
     load_format: str = "auto"
+    kv_cache_dtype: str = "auto"  # fp8: our engine's KV cache in e4m3
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
@@ -177,7 +178,7 @@ def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device
         max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
         attention_backend=options.attention_backend, async_decode=options.async_decode, quantization=options.quantization,
-        load_format=load_format or options.load_format,
+        load_format=load_format or options.load_format, kv_cache_dtype=options.kv_cache_dtype,
     )
 
 

@@ -35,7 +35,7 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     return {"copy_bytes_per_s": 2 * src.numel() / copy_s, "matmul_flops_per_s": 2 * n**3 / matmul_s}
 
 
-def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
+def decode_step_cost(decoder, batch: int, context: int, kv_itemsize: int | None = None) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of `batch` sequences with `context` cached tokens:
     every dense weight but the embedding table is read once, at its own element size (1
     byte for FP8 weights, plus their scales); of a mixture-of-experts layer
@@ -58,7 +58,7 @@ def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
         flops += 2 * batch * top_k * per_expert
     layers, kv_heads, head_dim = len(decoder.layers), decoder.num_kv_heads, decoder.head_dim
     q_heads = decoder.layers[0].self_attn.num_heads
-    nbytes += batch * context * layers * 2 * kv_heads * head_dim * itemsize
+    nbytes += batch * context * layers * 2 * kv_heads * head_dim * (kv_itemsize or itemsize)  # an FP8 cache: 1 byte
     flops += batch * layers * 4 * context * q_heads * head_dim
     return nbytes, flops
 
@@ -70,7 +70,7 @@ def decode_roofline(engine, batch: int, ceilings: dict[str, float], steps: int =
     workload = build_workload("w1", engine.adapter, batch, seed=batch)
     result = run_engine(engine, adapt.engine_prompts(workload, engine.adapter, engine.runner.dtype), [steps] * batch, f"decode-b{batch}")
     context = workload.prompt_tokens + steps // 2
-    nbytes, flops = decode_step_cost(adapt.decoder(engine), batch, context)
+    nbytes, flops = decode_step_cost(adapt.decoder(engine), batch, context, engine.runner.kv_dtype.itemsize)
     bound_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
     measured_s = result.decode_step_ms / 1000
     steps_run = max(1, result.extra["num_decode_steps"])

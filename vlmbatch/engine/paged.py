@@ -103,8 +103,8 @@ class PagedEngine(Engine):
         max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         backend_name, backend_reason = resolve_backend(config.attention_backend, device)
         kernels = choose_kernels(config, device, backend_name)
-        if config.kv_cache_dtype != "auto":
-            raise JobError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not implemented yet (FP8 KV cache: issue 15); use auto")
+        if config.kv_cache_dtype == "fp8" and backend_name == "flash-attn":
+            raise JobError("kv_cache_dtype fp8 runs with the triton or torch attention backend, not flash-attn")
         scheme = quantization_scheme(adapter.model_path, config.quantization, config.quantize_vision, config.trust_remote_code)
         dummy = config.load_format == "dummy"
         prequantized = scheme is not None and scheme.prequantized and not dummy
@@ -119,6 +119,7 @@ class PagedEngine(Engine):
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.num_kv_blocks, config.gpu_memory_utilization, config.enforce_eager,
+            torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
@@ -134,11 +135,11 @@ class PagedEngine(Engine):
         self._in_flight: _InFlight | None = None
         kv_gib = self.runner.num_kv_blocks * self.runner.block_bytes / 2**30
         log.info("paged engine: %s on %s in %s%s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
-                 "(%.1f GiB, %s); max %d sequences, %d tokens per step; %s decoding",
+                 "(%.1f GiB %s, %s); max %d sequences, %d tokens per step; %s decoding",
                  adapter.family.name, device, str(dtype).removeprefix("torch."),
                  f", weights {scheme.describe()}{'' if kernels.fp8 else ' dequantized (no FP8 GEMMs here)'}" if scheme else "",
                  backend_name, backend_reason,
-                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib,
+                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib, str(self.runner.kv_dtype).removeprefix("torch."),
                  "as configured" if config.num_kv_blocks else "sized from free memory", max_num_seqs,
                  config.max_num_batched_tokens, "asynchronous" if self.async_decode else "awaited")
 
