@@ -228,3 +228,16 @@ def fp8_gemm_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+def fused_moe_fp8_ref(
+    hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    gate_up_scales: torch.Tensor, down_scales: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """`fused_moe_ref` on FP8 experts: each expert's weight dequantized (float32 product with
+    its block scales) and rounded to the activations' dtype, which is what the kernels
+    compute tile by tile and what the CPU path holds after dequantizing at load."""
+    def dequantized(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return torch.stack([dequantize_fp8_ref(w[e], s[e]) for e in range(w.shape[0])]).to(hidden.dtype)
+
+    return fused_moe_ref(hidden, dequantized(w_gate_up, gate_up_scales), dequantized(w_down, down_scales), topk_weights, topk_ids)

@@ -191,3 +191,80 @@ def test_kernel_kv_write_into_an_fp8_cache_clamps_and_rounds():
             assert torch.equal(a.float(), b.float())
         else:
             assert (a.float() == b.float()).float().mean() > 0.9
+
+
+# ---- FP8 experts in the fused MoE kernels ----------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_m", [1, 16], ids=["per-pair", "grouped"])
+@pytest.mark.parametrize("per_row_scales", [False, True], ids=["block-scales", "per-row-block-scales"])
+def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, per_row_scales):
+    """Block-scaled e4m3 experts (Qwen3-VL-30B-A3B-Instruct-FP8's layout): the grouped GEMMs
+    and the per-pair GEMVs dequantize each tile as `fused_moe_fp8_ref` dequantizes the whole
+    expert, so they agree to the float32 order of additions."""
+    from vlmbatch.kernels.fused_moe import GemmTile, MoeConfig, fused_moe
+    from vlmbatch.kernels.reference import fused_moe_fp8_ref
+
+    experts, hidden, intermediate, tokens, top_k = 4, 256, 128, 9, 2
+    gen = torch.Generator().manual_seed(0)
+
+    def quantized(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [quantize_fp8_ref(torch.randn(rows, k, generator=gen), 128) if per_row_scales else
+                 quantize_fp8_blocks_ref(torch.randn(rows, k, generator=gen)) for _ in range(experts)]  # fmt: skip
+        return torch.stack([w for w, _ in parts]).to(DEVICE), torch.stack([s for _, s in parts]).to(DEVICE)
+
+    w_gate_up, s_gate_up = quantized(2 * intermediate, hidden)
+    w_down, s_down = quantized(hidden, intermediate)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE) * 0.1
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    config = MoeConfig(block_m, GemmTile(32, 64), GemmTile(32, 64))
+    out = fused_moe(x, w_gate_up, w_down, weights, ids, config, gate_up_scales=s_gate_up, down_scales=s_down)
+    ref = fused_moe_fp8_ref(x, w_gate_up, w_down, weights, ids, s_gate_up, s_down)
+    assert (out - ref).norm() / ref.norm() < 1e-5
+
+
+@pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
+def test_fp8_kernels_compile_for_hopper():
+    """The interpreter cannot check the GPU code, so compile for sm_90 here: the scaled GEMM
+    must multiply e4m3 tiles on the tensor cores (Hopper wgmma for 64-row tiles and more,
+    mma below) at every tile shape `default_config` picks; the quantization kernel and the
+    KV write into an FP8 cache must build and convert to e4m3, and split-KV decode must read
+    an FP8 cache into its tensor-core products."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from vlmbatch.kernels.fp8 import _fp8_gemm_kernel, _quantize_kernel, default_config
+    from vlmbatch.kernels.kv_cache_write import _store_kvcache_kernel
+
+    def build(fn, args: dict[str, str], constants: dict, **options) -> str:
+        aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items()
+                   if kind.startswith("*") or name.startswith("stride") or name in ("N", "K")}  # fmt: skip
+        source = ASTSource(fn, {**args, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
+        return compile(source, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
+
+    gemm = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            **dict.fromkeys("M N K stride_am stride_asm stride_wn stride_wsn stride_om".split(), "i32")}  # fmt: skip
+    for rows in (1, 64, 512):
+        config = default_config(rows)
+        for scale_rows, per_row in ((128, False), (1, True)):
+            constants = dict(SCALE_ROWS=scale_rows, PER_ROW_SCALES=per_row, HAS_BIAS=per_row, PDL=False,
+                             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=128)  # fmt: skip
+            ptx = build(_fp8_gemm_kernel, gemm, constants, num_warps=config.num_warps, num_stages=config.num_stages)
+            assert ("wgmma" in ptx and "e4m3" in ptx) if config.block_m >= 64 else "mma" in ptx, (rows, per_row)
+    quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", **dict.fromkeys("K stride_xm stride_qm stride_sm".split(), "i32")}
+    ptx = build(_quantize_kernel, quant, dict(GROUP=128, BLOCK=128, FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=False), num_warps=1)
+    assert "e4m3" in ptx
+    store = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64",
+             **dict.fromkeys("stride_k_tok stride_k_head stride_v_tok stride_v_head stride_cache_slot stride_cache_head".split(), "i32")}  # fmt: skip
+    assert "e4m3" in build(_store_kvcache_kernel, store, dict(NUM_HEADS=2, HEAD_DIM=128, BLOCK_H=2, BLOCK_D=128, FP8_CACHE=True), num_warps=4)
+    from vlmbatch.kernels.decode_attention import _decode_split_kernel
+
+    strides = ("stride_q_seq stride_q_head stride_k_block stride_k_slot stride_k_head stride_v_block stride_v_slot stride_v_head "
+               "stride_bt_seq stride_o_seq stride_o_head stride_o_split stride_lse_seq stride_lse_head")  # fmt: skip
+    decode = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+              "out_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32", **dict.fromkeys(strides.split(), "i32")}  # fmt: skip
+    ptx = build(_decode_split_kernel, decode, dict(GROUP_SIZE=8, PAGE_SIZE=256, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
+                                                   STORE_LSE=True, PDL=False), num_warps=4)  # fmt: skip
+    assert "mma" in ptx  # the e4m3 K/V tiles are converted to bf16 and go to the tensor cores

@@ -54,7 +54,7 @@ def decode_step_cost(decoder, batch: int, context: int, kv_itemsize: int | None 
     for moe in experts:
         count, top_k = moe.gate_up.shape[0], moe.top_k
         per_expert = moe.gate_up[0].numel() + moe.down[0].numel()
-        nbytes += count * (1 - (1 - top_k / count) ** batch) * per_expert * itemsize
+        nbytes += count * (1 - (1 - top_k / count) ** batch) * per_expert * moe.gate_up.element_size()  # 1 byte: FP8 experts
         flops += 2 * batch * top_k * per_expert
     layers, kv_heads, head_dim = len(decoder.layers), decoder.num_kv_heads, decoder.head_dim
     q_heads = decoder.layers[0].self_attn.num_heads

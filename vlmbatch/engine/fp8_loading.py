@@ -152,8 +152,8 @@ def _converted(linear: Linear, w: torch.Tensor, s: torch.Tensor, kernels: Kernel
 
 def _apply_experts(moe: nn.Module, prefix: str, scheme: Fp8Scheme, weights: Fp8Weights | None, kernels: KernelSet,
                    dtype: torch.dtype) -> int:  # fmt: skip
-    """A checkpoint's per-expert FP8 weights, stacked in our layout and dequantized into the
-    block's experts (the FP8 grouped GEMM takes them as they are where it runs)."""
+    """A checkpoint's per-expert FP8 weights, stacked in our layout: held in FP8 where the
+    fused MoE kernels run on a GPU with FP8 GEMMs, else dequantized into the block's experts."""
     if not scheme.prequantized:
         return 0  # online: experts stay in the compute dtype
     num_experts = moe.gate_up.shape[0]
@@ -167,6 +167,10 @@ def _apply_experts(moe: nn.Module, prefix: str, scheme: Fp8Scheme, weights: Fp8W
         gate_up.append(fuse(parts[:2]))
         down.append(parts[2])
     device = moe.gate_up.device
+    if kernels.fp8 is not None and moe.takes_fp8:  # the fused MoE kernels read the fp8 experts as they are
+        moe.use_fp8(torch.stack([w for w, _ in gate_up]).to(device), torch.stack([s for _, s in gate_up]).to(device),
+                    torch.stack([w for w, _ in down]).to(device), torch.stack([s for _, s in down]).to(device))
+        return num_experts
     if moe.gate_up.is_meta:
         raise UnsupportedQuantization(f"FP8 checkpoint: {prefix} has no loaded expert tensors to dequantize into")
     for expert in range(num_experts):
