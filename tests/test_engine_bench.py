@@ -109,12 +109,12 @@ def test_decode_step_cost_of_a_mixture_of_experts_counts_the_experts_a_batch_rea
     assert one_flops == 2 * (dense + 2 * 2 * per_expert)
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
-def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_weights(tmp_path, quantization):
+@pytest.mark.parametrize("shape, quantization", [("tiny", "fp8"), ("tiny", "fp8-block"), ("tiny_qwen3_vl_moe", "fp8-block")])
+def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_weights(tmp_path, shape, quantization):
     """On the CPU our engine dequantizes the FP8 weights at load, so against transformers
     holding the same round-tripped weights in fp32 the logits agree to float32 rounding
-    (requantizing a round-tripped weight gives back its fp8 values); the reported bound is
-    the FP8 one used on the GPU."""
+    (requantizing a round-tripped weight gives back its fp8 values; MoE experts included);
+    the reported bound is the FP8 one used on the GPU."""
     from vlmbatch.bench.fp8 import FP8_MIN_BOUND
     from vlmbatch.cli.commands import app
 
@@ -123,7 +123,7 @@ def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_we
     torch.set_num_threads(1)
     try:
         result = CliRunner().invoke(app, [
-            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "2", "--peer", "",
+            "bench", "engine", "--model-shape", shape, "--device", "cpu", "--requests", "2", "--peer", "",
             "--workloads", "w1", "--check-prompts", "2", "--decode-steps", "4", "--decode-batches", "2", "--extra-shapes", "",
             "--max-num-seqs", "4", "--max-num-batched-tokens", "600", "--backends", "torch", "--quantization", quantization,
             "--json", str(out),

@@ -268,3 +268,26 @@ def test_fp8_kernels_compile_for_hopper():
     ptx = build(_decode_split_kernel, decode, dict(GROUP_SIZE=8, PAGE_SIZE=256, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
                                                    STORE_LSE=True, PDL=False), num_warps=4)  # fmt: skip
     assert "mma" in ptx  # the e4m3 K/V tiles are converted to bf16 and go to the tensor cores
+
+
+@needs_kernels
+def test_kernel_fused_moe_block_with_fp8_experts_equals_the_dequantized_block():
+    """`FusedMoE.use_fp8` (what loading an FP8 MoE checkpoint does where the kernels run):
+    the block's output equals the torch reference block holding the dequantized experts."""
+    from vlmbatch import kernels
+    from vlmbatch.engine.layers.moe import FusedMoE
+    from vlmbatch.kernels.reference import dequantize_fp8_ref
+
+    torch.manual_seed(0)
+    ours = FusedMoE(128, 128, 4, 2, kernels=kernels, device=DEVICE, dtype=torch.float32)
+    reference = FusedMoE(128, 128, 4, 2, kernels=None, device=DEVICE, dtype=torch.float32)
+    ours.gate.weight.data.normal_(0, 0.1)
+    reference.gate.weight.data.copy_(ours.gate.weight)
+    gate_up = [quantize_fp8_blocks_ref(torch.randn(256, 128, device=DEVICE)) for _ in range(4)]
+    down = [quantize_fp8_blocks_ref(torch.randn(128, 128, device=DEVICE)) for _ in range(4)]
+    ours.use_fp8(*(torch.stack(t) for t in zip(*gate_up)), *(torch.stack(t) for t in zip(*down)))
+    reference.gate_up.data.copy_(torch.stack([dequantize_fp8_ref(w, s) for w, s in gate_up]))
+    reference.down.data.copy_(torch.stack([dequantize_fp8_ref(w, s) for w, s in down]))
+    x = torch.randn(5, 128, device=DEVICE) * 0.1
+    expected = reference(x)
+    assert ours.gate_up.dtype == torch.float8_e4m3fn and (ours(x) - expected).norm() / expected.norm() < 1e-5

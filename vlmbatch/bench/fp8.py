@@ -36,12 +36,20 @@ def round_trip_language_model(hf_model: torch.nn.Module, quantization: str) -> i
     """Replace the decoder projections of `hf_model`'s language model by their fp8 round
     trip in the layout `quantization` names (`fp8`: per channel, `fp8-block`: 128x128),
     what our engine then runs, in place; returns how many."""
+    def round_trip(w: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_fp8_blocks_ref(w.float()) if quantization == "fp8-block" else quantize_fp8_ref(w.float(), None)
+        return dequantize_fp8_ref(q, s).to(w.dtype)
+
     count = 0
     for name, module in hf_model.model.language_model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
-            w = module.weight.float()
-            q, s = quantize_fp8_blocks_ref(w) if quantization == "fp8-block" else quantize_fp8_ref(w, None)
-            module.weight.copy_(dequantize_fp8_ref(q, s).to(module.weight.dtype))
+            module.weight.copy_(round_trip(module.weight))
+            count += 1
+        elif name.endswith("mlp.experts"):  # [E, 2I, H] gate rows first, [E, H, I]: each expert's gate, up, down alone
+            for gate_up, down in zip(module.gate_up_proj, module.down_proj):
+                half = gate_up.shape[0] // 2
+                gate_up.copy_(torch.cat([round_trip(gate_up[:half]), round_trip(gate_up[half:])]))
+                down.copy_(round_trip(down))
             count += 1
     return count
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
-from vlmbatch.engine.layers.fp8_linear import Fp8Linear, dequantize, fuse, quantize_online
+from vlmbatch.engine.layers.fp8_linear import GROUP, Fp8Linear, dequantize, fuse, quantize_online
 from vlmbatch.engine.layers.linear import Linear
 from vlmbatch.quantization import BLOCK, Fp8Scheme, UnsupportedQuantization
 
@@ -105,6 +105,7 @@ def apply_fp8(decoder: nn.Module, scheme: Fp8Scheme, weights: Fp8Weights | None,
     """Quantize `decoder`'s linear layers as `scheme` says (checkpoint weights from
     `weights`, or online from the layers' own weights); returns how many were converted."""
     converted = 0
+    weights = weights if weights is not None else Fp8Weights(scheme)  # online: experts pass through it
     for index, layer in enumerate(decoder.layers):
         groups = [(layer.self_attn, f"layers.{index}.self_attn", _ATTENTION)]
         if hasattr(layer.mlp, "gate_up_proj") and isinstance(layer.mlp.gate_up_proj, Linear):
@@ -132,6 +133,14 @@ def apply_fp8(decoder: nn.Module, scheme: Fp8Scheme, weights: Fp8Weights | None,
     return converted
 
 
+def _as_blocks(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel scales [N, 1] as per-row block scales [N, ceil(K/128)] (the layout the
+    fused MoE kernels read); block scales as they are."""
+    if s.shape == (w.shape[0], 1):
+        s = s.expand(-1, -(-w.shape[1] // GROUP)).contiguous()
+    return w, s
+
+
 def _part_rows(module: nn.Module, fused: str, rows: int) -> list[int]:
     """The output rows of each projection stacked in `module.<fused>` (q/k/v, gate/up)."""
     if fused == "qkv_proj":
@@ -154,9 +163,14 @@ def _apply_experts(moe: nn.Module, prefix: str, scheme: Fp8Scheme, weights: Fp8W
                    dtype: torch.dtype) -> int:  # fmt: skip
     """A checkpoint's per-expert FP8 weights, stacked in our layout: held in FP8 where the
     fused MoE kernels run on a GPU with FP8 GEMMs, else dequantized into the block's experts."""
-    if not scheme.prequantized:
-        return 0  # online: experts stay in the compute dtype
     num_experts = moe.gate_up.shape[0]
+    if not scheme.prequantized:  # online: each expert's gate, up and down on their own, as a checkpoint stores them
+        blocks = scheme.format == BLOCK
+        for expert in range(num_experts):
+            w = moe.gate_up[expert]
+            weights.tensors[f"{prefix}.{expert}.gate_proj"] = _as_blocks(*quantize_online(w[: w.shape[0] // 2], blocks))
+            weights.tensors[f"{prefix}.{expert}.up_proj"] = _as_blocks(*quantize_online(w[w.shape[0] // 2 :], blocks))
+            weights.tensors[f"{prefix}.{expert}.down_proj"] = _as_blocks(*quantize_online(moe.down[expert], blocks))
     gate_up, down = [], []
     for expert in range(num_experts):
         parts = [weights.get(f"{prefix}.{expert}.{name}") for name in ("gate_proj", "up_proj", "down_proj")]

@@ -69,8 +69,8 @@ def fuse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tens
     released models), else each part's block rows are repeated per row ([N, K blocks])."""
     weights = torch.cat([w for w, _ in parts])
     scales = [s for _, s in parts]
-    per_channel = all(s.shape == (w.shape[0], 1) for w, s in parts)
-    if per_channel or all(w.shape[0] % GROUP == 0 for w, _ in parts):
+    per_row = all(s.shape[0] == w.shape[0] for w, s in parts)  # per channel, or per-row blocks
+    if per_row or all(w.shape[0] % GROUP == 0 for w, _ in parts):
         return weights, torch.cat(scales)
     return weights, torch.cat([s.float().repeat_interleave(GROUP, 0)[: w.shape[0]] for w, s in parts])
 
