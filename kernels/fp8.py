@@ -175,8 +175,10 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
 def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """The per-token x per-channel product through cuBLAS (`torch._scaled_mm`, rowwise
-    scales): needs K and N multiples of 16 and a bf16 output."""
-    return torch._scaled_mm(a_q, w_q.t(), scale_a=a_s, scale_b=w_s.reshape(1, -1), bias=bias, out_dtype=out_dtype)
+    scales): needs K and N multiples of 16 and a bf16 output. The bias is added after
+    (rowwise scaling with a bias is not accepted by every torch/cuBLAS pairing)."""
+    out = torch._scaled_mm(a_q, w_q.t(), scale_a=a_s, scale_b=w_s.reshape(1, -1), out_dtype=out_dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def scaled_mm_supported(n: int, k: int) -> bool:
