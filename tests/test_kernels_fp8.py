@@ -11,6 +11,7 @@ per-channel product through `torch._scaled_mm` and an `Fp8Linear` on 3B shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -291,3 +292,40 @@ def test_kernel_fused_moe_block_with_fp8_experts_equals_the_dequantized_block():
     x = torch.randn(5, 128, device=DEVICE) * 0.1
     expected = reference(x)
     assert ours.gate_up.dtype == torch.float8_e4m3fn and (ours(x) - expected).norm() / expected.norm() < 1e-5
+
+
+@needs_kernels
+def test_kernel_dummy_decoder_is_built_directly_in_fp8():
+    """`load_format="dummy"` where FP8 GEMMs run: a decoder built on "meta" gets its
+    projections as `Fp8Linear` (e4m3 weights, never a compute-dtype copy) and its MoE
+    experts in e4m3 with block scales; norms at one; the layers compute."""
+    from transformers import Qwen3VLMoeTextConfig
+
+    from vlmbatch import kernels
+    from vlmbatch.engine.decoder import Decoder, DecoderSpec
+    from vlmbatch.engine.dummy_weights import materialize
+    from vlmbatch.engine.kernel_choice import TORCH_KERNELS, Fp8Gemms
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
+    from vlmbatch.engine.layers.moe import FusedMoE
+    from vlmbatch.engine.layers.rotary import RotaryEmbedding
+    from vlmbatch.kernels.fp8 import scaled_mm_supported
+    from vlmbatch.quantization import online_scheme
+
+    cfg = Qwen3VLMoeTextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=64)  # fmt: skip
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported)
+    kernel_set = dataclasses.replace(TORCH_KERNELS, fp8=gemms)
+
+    def mlp(text, layer, ks):
+        return FusedMoE.from_config(text, kernels=kernels, device="meta")
+
+    with torch.device("meta"):
+        decoder = Decoder(cfg, RotaryEmbedding(torch.ones(16)), DecoderSpec(qk_norm=True, mlp=mlp), kernel_set)
+    materialize(decoder, torch.device(DEVICE), torch.float32, online_scheme("fp8-block"), kernel_set)
+    attention, moe = decoder.layers[0].self_attn, decoder.layers[0].mlp
+    assert isinstance(attention.qkv_proj, Fp8Linear) and attention.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert moe.gate_up.dtype == torch.float8_e4m3fn and moe.fp8_scales["gate_up_scales"].shape == (4, 2, 1)
+    assert decoder.lm_head.weight.dtype == torch.float32 and torch.equal(decoder.norm.weight, torch.ones(128, device=DEVICE))
+    assert not any(t.is_meta for t in [*decoder.parameters(), *decoder.buffers()])
+    x = torch.randn(3, 128, device=DEVICE)
+    assert attention.qkv_proj(x).shape == (3, 256) and moe(x).isfinite().all()

@@ -50,9 +50,13 @@ def dummy_hf_model(model: str, dtype: torch.dtype, device: torch.device, trust_r
 def materialize(decoder: nn.Module, device: torch.device, dtype: torch.dtype, scheme: Fp8Scheme | None, kernels: KernelSet) -> None:
     """Create every tensor of a decoder built on "meta": its projections as FP8 layers when
     `scheme` is set and FP8 GEMMs run here, the rest random (norms at one)."""
+    fp8 = scheme is not None and kernels.fp8 is not None
     for parent in list(decoder.modules()):
+        if fp8 and getattr(parent, "takes_fp8", False):  # MoE experts, as the fused kernels take them
+            parent.use_fp8(*_random_fp8_experts(parent.gate_up.shape, scheme, device, dtype),
+                           *_random_fp8_experts(parent.down.shape, scheme, device, dtype))
         for name, child in list(parent.named_children()):
-            if type(child) is Linear and name != "lm_head" and scheme is not None and kernels.fp8 is not None:
+            if type(child) is Linear and name != "lm_head" and fp8:
                 setattr(parent, name, _random_fp8(child, scheme, device, dtype, kernels))
     for module in decoder.modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -62,12 +66,28 @@ def materialize(decoder: nn.Module, device: torch.device, dtype: torch.dtype, sc
                 module._parameters[name] = nn.Parameter(value, requires_grad=False)
 
 
+def _random_e4m3(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Standard-normal values rounded to e4m3, made a slice at a time (a few MB of bf16
+    temporary, not a copy of the whole tensor)."""
+    out = torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
+    flat = out.view(-1, shape[-1])
+    for start in range(0, flat.shape[0], 4096):
+        rows = min(4096, flat.shape[0] - start)
+        flat[start : start + rows] = torch.randn(rows, shape[-1], device=device, dtype=dtype).to(torch.float8_e4m3fn)
+    return out
+
+
+def _random_fp8_experts(shape: torch.Size, scheme: Fp8Scheme, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 experts [E, N, K], float32 scales): 128x128 blocks, or per row for per-channel schemes."""
+    experts, n, k = shape
+    rows = -(-n // GROUP) if scheme.format == BLOCK else n
+    return _random_e4m3((experts, n, k), device, dtype), torch.full((experts, rows, -(-k // GROUP)), STD, device=device)
+
+
 def _random_fp8(linear: Linear, scheme: Fp8Scheme, device: torch.device, dtype: torch.dtype, kernels: KernelSet) -> Fp8Linear:
     """Random e4m3 values (standard normal, rounded) times a scale that gives them STD."""
     n, k = linear.out_features, linear.in_features
-    weight = torch.empty(n, k, device=device, dtype=torch.float8_e4m3fn)
-    for start in range(0, n, 4096):  # in slices: a bf16 temporary of a few MB, not of the whole matrix
-        weight[start : start + 4096] = torch.randn(min(4096, n - start), k, device=device, dtype=dtype).to(torch.float8_e4m3fn)
+    weight = _random_e4m3((n, k), device, dtype)
     shape = (-(-n // GROUP), -(-k // GROUP)) if scheme.format == BLOCK else (n, 1)
     bias = torch.empty(n, device=device, dtype=dtype).normal_(0.0, STD) if linear.bias is not None else None
     return Fp8Linear(weight, torch.full(shape, STD, device=device), bias, kernels.fp8)
