@@ -89,9 +89,12 @@ class Fp8GemmConfig:
 
 
 def default_config(rows: int) -> Fp8GemmConfig:
-    """Tiles by batch rows: a decode batch fills a 16- or 64-row tile, prefill 128."""
+    """Tiles by batch rows: a decode batch fills a 16- or 64-row tile, prefill 128. Few
+    rows: narrow 32-column strips, so that even a 2048-row projection spreads over 64
+    programs (no split of K: each program reads its strip of weights once). Untuned:
+    `vlmbatch bench kernels --sections fp8` is where better tiles would be found."""
     if rows <= 16:
-        return Fp8GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
+        return Fp8GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=4)
     if rows <= 64:
         return Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
     return Fp8GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
