@@ -245,3 +245,21 @@ def test_fp8_kv_cache_on_the_torch_backend(tiny_model_dir):
     _, outputs = run_greedy(fp8, adapter, build_requests(adapter, "qwen2_5_vl", 3, seed=2))
     assert len(outputs) == 3 and all(o.outputs[0].token_ids for o in outputs.values())
     assert fp8.runner.kv_caches[0][0].float().abs().sum() > 0
+
+
+def test_submit_refuses_an_unsupported_checkpoint_format(fp8_dir, tmp_path):
+    """The job is refused before anything is written, with the format named."""
+    from typer.testing import CliRunner
+
+    from vlmbatch.cli.commands import app
+
+    model = tmp_path / "model"
+    shutil.copytree(fp8_dir("qwen2_5_vl", "fp8-block"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (model / "config.json").write_text(json.dumps(config))
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    result = CliRunner().invoke(app, ["submit", str(dataset), "--model", str(model), "--output", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "quant_method 'gptq'" in result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
