@@ -58,7 +58,7 @@ class ReferenceOpenAIPenalties(LogitsProcessor):
         return scores
 
 
-def reference_processors(params: SamplingParams, prompt_length: int, eos: list[int]) -> LogitsProcessorList:
+def reference_processors(params: SamplingParams, prompt_length: int, eos: list[int], device: str) -> LogitsProcessorList:
     processors = LogitsProcessorList()
     if params.logit_bias:
         processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias}))
@@ -67,7 +67,7 @@ def reference_processors(params: SamplingParams, prompt_length: int, eos: list[i
     if params.frequency_penalty or params.presence_penalty:
         processors.append(ReferenceOpenAIPenalties(prompt_length, params.frequency_penalty, params.presence_penalty))
     if params.min_tokens:
-        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, eos))
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, eos, device))
     return processors
 
 
@@ -77,7 +77,7 @@ def hf_reference(hf_model, adapter, prompt, params: SamplingParams):
     eos = sorted(adapter.eos_token_ids)
     with torch.inference_mode():
         out = hf_model.generate(**inputs, max_new_tokens=params.max_tokens, do_sample=False, eos_token_id=eos,
-                                logits_processor=reference_processors(params, prompt.num_tokens, eos),
+                                logits_processor=reference_processors(params, prompt.num_tokens, eos, str(hf_model.device)),
                                 output_scores=True, return_dict_in_generate=True)
     tokens = out.sequences[0, prompt.num_tokens :].tolist()
     logprobs = [torch.log_softmax(score[0].float(), -1) for score in out.scores]

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.bench.adapt import clear_encoder_cache
 from vlmbatch.bench.timing import RunResult, run_engine
 
 EXTRACTION6_SCHEMA: dict[str, Any] = {
@@ -91,8 +92,17 @@ def mask_ms(stats: dict[str, Any]) -> dict[str, float]:
             "mask_rows_per_step": stats.get("mask_num_masked_rows", 0) / steps}
 
 
+def _cold(engine) -> None:
+    """Forget the KV and the image embeddings of earlier runs of the same prompts: each run
+    computes its own (a run after W1 would otherwise be served W1's prefixes and images,
+    and admit hundreds of prefix-cached prompts, all their images encoded in one step)."""
+    engine.block_manager.reset_prefix_cache()
+    clear_encoder_cache(engine)
+
+
 def structured_run(engine, prompts: list, lengths: list[int], workload: str, schema: dict[str, Any]) -> RunResult:
     """One run of `prompts` constrained by `schema`, mask times in `extra`."""
+    _cold(engine)
     result = run_engine(engine, prompts, lengths, workload, _spec(schema))
     result.extra.update(mask_ms(result.extra))
     return result
@@ -104,7 +114,9 @@ def mask_at_batches(engine, prompts: list, lengths: list[int], batches: tuple[in
     rows = []
     for batch in batches:
         head, head_lengths = prompts[:batch], lengths[:batch]
+        _cold(engine)
         free = run_engine(engine, head, head_lengths, f"w1-b{batch}")
+        _cold(engine)
         constrained = run_engine(engine, head, head_lengths, f"w1-b{batch}", _spec(schema))
         rows.append({"batch": len(head), "free_decode_step_ms": free.decode_step_ms,
                      "structured_decode_step_ms": constrained.decode_step_ms,

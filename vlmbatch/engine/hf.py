@@ -85,8 +85,9 @@ class OpenAIPenaltiesLogitsProcessor(LogitsProcessor):
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
-def logits_processors(params: SamplingParams, prompt_length: int, eos_token_ids: list[int]) -> LogitsProcessorList:
-    """`params`' logit adjustments as transformers processors, in `SamplingParams`' order."""
+def logits_processors(params: SamplingParams, prompt_length: int, eos_token_ids: list[int],
+                      device: torch.device) -> LogitsProcessorList:
+    """`params`' logit adjustments as transformers processors, in `SamplingParams`' order, for scores on `device`."""
     processors = LogitsProcessorList()
     if params.logit_bias:
         processors.append(SequenceBiasLogitsProcessor({(token,): bias for token, bias in params.logit_bias}))
@@ -95,7 +96,7 @@ def logits_processors(params: SamplingParams, prompt_length: int, eos_token_ids:
     if params.frequency_penalty or params.presence_penalty:
         processors.append(OpenAIPenaltiesLogitsProcessor(prompt_length, params.frequency_penalty, params.presence_penalty))
     if params.min_tokens > 0 and eos_token_ids:
-        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, eos_token_ids))
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, eos_token_ids, str(device)))
     return processors
 
 
@@ -267,7 +268,7 @@ class HFEngine(Engine):
         config = self._generation_config(params, max(r.params.max_tokens for r in batch))
         stopping = StoppingCriteriaList([_RequestsDone(self, row_params, prompt_len)])
         masks = [_GrammarMasks(self.structured, states, prompt_len)] if any(states) else []
-        processors = logits_processors(params, prompt_len, sorted(self.eos_token_ids))
+        processors = logits_processors(params, prompt_len, sorted(self.eos_token_ids), self.device)
         want_logprobs = any(p.logprobs is not None for p in row_params)
         seeded = params.seed is not None and not params.greedy
         # A seeded request gets its own RNG stream and leaves the shared one untouched.
