@@ -37,16 +37,24 @@ def gather_paged_kv(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query_pos: int, softmax_scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query_pos: int, softmax_scale: float,
+    window: int = 0, key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention of queries at positions first_query_pos.. over keys 0..len(k)-1, in float32."""
+    """GQA attention of queries at positions first_query_pos.. over keys 0..len(k)-1, in float32.
+
+    Query q sees key k when k <= q (or k < key_ends[q], given) and, with a sliding
+    `window`, when q - k < window."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * softmax_scale
     query_pos = first_query_pos + torch.arange(q.shape[0], device=q.device)
     key_pos = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+    ends = query_pos + 1 if key_ends is None else key_ends.to(query_pos.dtype)
+    hidden = key_pos[None, :] >= ends[:, None]
+    if window:
+        hidden |= key_pos[None, :] <= query_pos[:, None] - window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
@@ -57,8 +65,10 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence (`q[num_seqs, q_heads, head_dim]`) over its whole cached context."""
+    """One query token per sequence (`q[num_seqs, q_heads, head_dim]`) over its cached context
+    (its last `window` tokens with a sliding window)."""
     out = torch.empty_like(q)
     for seq, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
@@ -66,7 +76,7 @@ def paged_decode_attention_ref(
             continue
         k = gather_paged_kv(k_cache, block_tables[seq], context_len)
         v = gather_paged_kv(v_cache, block_tables[seq], context_len)
-        out[seq] = _attend(q[seq : seq + 1], k, v, context_len - 1, softmax_scale)[0].to(q.dtype)
+        out[seq] = _attend(q[seq : seq + 1], k, v, context_len - 1, softmax_scale, window)[0].to(q.dtype)
     return out
 
 
@@ -78,8 +88,11 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window: int = 0,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention: sequence b's q_len queries are its last q_len cached positions."""
+    """Varlen attention: sequence b's q_len queries are its last q_len cached positions;
+    causal, or up to `key_ends` [total_q] (bidirectional spans), within `window`."""
     out = torch.empty_like(q)
     bounds = cu_seqlens_q.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):
@@ -89,7 +102,8 @@ def paged_prefill_attention_ref(
         k = gather_paged_kv(k_cache, block_tables[seq], context_len)
         v = gather_paged_kv(v_cache, block_tables[seq], context_len)
         first_query_pos = context_len - (end - start)
-        out[start:end] = _attend(q[start:end], k, v, first_query_pos, softmax_scale).to(q.dtype)
+        ends = None if key_ends is None else key_ends[start:end]
+        out[start:end] = _attend(q[start:end], k, v, first_query_pos, softmax_scale, window, ends).to(q.dtype)
     return out
 
 
