@@ -41,12 +41,16 @@ def llava_prompt(text: str, num_images: int, with_video: bool) -> str:
     return f"{SYSTEM} USER: " + "<image>\n" * num_images + f"{text} ASSISTANT:"
 
 
+def gemma3_prompt(text: str, num_images: int, with_video: bool) -> str:
+    return f"<start_of_turn>user\n{SYSTEM}\n\n" + "<start_of_image>" * num_images + f"{text}<end_of_turn>\n<start_of_turn>model\n"
+
+
 def build_requests(adapter, family: str, count: int, seed: int, max_images: int = 2,
                    widths: tuple[int, ...] = (40, 56, 90, 112), heights: tuple[int, ...] = (40, 56, 84)):
     """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen), repeats."""
     rng = random.Random(seed)
     images = [make_image(i, (rng.choice(widths), rng.choice(heights))) for i in range(4)]
-    make_prompt = qwen_prompt if family.startswith("qwen") else llava_prompt
+    make_prompt = qwen_prompt if family.startswith("qwen") else gemma3_prompt if family == "gemma3" else llava_prompt
     requests = []
     for i in range(count):
         if i % 10 == 9:  # an exact repeat: its whole prefix is cached

@@ -57,6 +57,7 @@ FAMILIES: dict[str, Family] = {
         _family("llava", {IMAGES}),
         _family("qwen3_vl", {IMAGES, VIDEO}),
         _family("qwen3_vl_moe", {IMAGES, VIDEO, MOE}),
+        _family("gemma3", {IMAGES}),
     )
 }
 _BY_MODEL_TYPE = {model_type: f for f in FAMILIES.values() for model_type in f.model_types}
