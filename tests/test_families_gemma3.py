@@ -85,3 +85,117 @@ def test_a_chunk_that_would_end_inside_an_image_stops_before_it(gemma3):
             chunks.append((before, seq.num_computed_tokens))
     assert chunks[0] == (0, span_start) and chunks[1][0] == span_start and chunks[1][1] >= span_end
     assert outputs[0].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, 8)
+
+
+@pytest.fixture(scope="module")
+def pan_and_scan_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny checkpoint with pan-and-scan switched on in its image processor config."""
+    folder = tmp_path_factory.mktemp("gemma3-pan-and-scan") / "model"
+    shutil.copytree(tiny_model_dir("gemma3"), folder)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        config = json.loads((folder / name).read_text())
+        image = config.get("image_processor", config)
+        image.update(do_pan_and_scan=True, pan_and_scan_min_crop_size=16)
+        (folder / name).write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_pan_and_scan_crops_match_the_processor_and_transformers(gemma3, pan_and_scan_dir):
+    """A wide image gets crops, each its own run of soft tokens (and bidirectional block);
+    the ids are the processor's own with pan-and-scan asked for explicitly."""
+    _, hf_model = gemma3
+    adapter = load_adapter(pan_and_scan_dir)
+    images = [make_image(11, (150, 40)), make_image(12, (48, 48))]  # crops; too square for any
+    text = gemma3_prompt("Describe both.", 2, False)
+    prompt = adapter.prepare(text, images, max_tokens=6)
+    direct = adapter.processor(text=[text], images=images, return_tensors="pt", do_pan_and_scan=True,
+                               pan_and_scan_min_crop_size=16)
+    assert prompt.prompt_token_ids == direct["input_ids"][0].tolist()
+    assert len(prompt.media) == len(direct["pixel_values"]) > len(images)
+    assert adapter.check(text, images, max_tokens=6) == prompt.num_tokens
+    engine = small_engine(adapter)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0))
+    assert len(engine.scheduler.waiting[0].mm.bidirectional_spans) == len(prompt.media)
+    [output] = [o for o in _run(engine)]
+    assert output.outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, 6)
+
+
+def test_dry_run_counts_and_chat_template_match_prepare(gemma3):
+    adapter, _ = gemma3
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "What?"}]}]
+    text = adapter.apply_chat_template(messages)
+    assert text.startswith("<start_of_turn>user\nBe brief.\n\n<start_of_image>What?") and text.endswith("<start_of_turn>model\n")
+    images = [make_image(3, (97, 29)), make_image(4, (37, 150))]
+    for prompt in (text, gemma3_prompt("two of them", 2, False)):
+        shown = images[: prompt.count("<start_of_image>")]
+        prepared = adapter.prepare(prompt, shown)
+        assert adapter.check(prompt, shown) == prepared.num_tokens
+        assert prepared.prompt_token_ids.count(adapter.tokenizer.bos_token_id) == 1
+
+
+def _run(engine):
+    from engine_harness import run_to_completion
+
+    return run_to_completion(engine).values()
+
+
+# ---- everywhere the other families work: jobs, the dry run, serve -------------------------
+
+IMAGE_PROMPT = "<start_of_turn>user\n<start_of_image>Describe it.<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.mark.slow
+def test_a_job_with_images_chat_and_bad_rows_completes(tiny_model_dir, tmp_path):
+    """Through `vlmbatch submit` (dry run, then the job): images, a chat row, and rows the
+    family refuses (a video; a prompt without its image's placeholder) as per-row errors."""
+    import duckdb
+    from test_submit_e2e import vlmbatch
+
+    make_image(1, (97, 61)).save(tmp_path / "odd.png")
+    make_image(2, (40, 150)).save(tmp_path / "tall.png")
+    rows = [
+        {"id": "image", "prompt": IMAGE_PROMPT, "image": str(tmp_path / "odd.png")},
+        {"id": "two", "prompt": IMAGE_PROMPT.replace("<start_of_image>", "<start_of_image>" * 2),
+         "images": [str(tmp_path / "odd.png"), str(tmp_path / "tall.png")]},
+        {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(tmp_path / "tall.png")}}, {"type": "text", "text": "What?"}]}]},
+        {"id": "video", "prompt": "<start_of_turn>user\nWhat happens?<end_of_turn>\n", "video": str(tmp_path / "odd.png")},
+        {"id": "no-placeholder", "prompt": "<start_of_turn>user\nHi<end_of_turn>\n", "image": str(tmp_path / "odd.png")},
+    ]
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = str(tiny_model_dir("gemma3"))
+    env = {"VLMBATCH_PREPROCESS_WORKERS": "0"}
+    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env=env)
+    assert dry.returncode == 1 and "placeholder_mismatch" in dry.stdout + dry.stderr, dry.stderr[-2000:]
+    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = tmp_path / "out" / done.stdout.split()[0] / "results"
+    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
+    assert by_id["video"]["error_type"] == "unsupported_media"
+    assert by_id["no-placeholder"]["error_type"] == "placeholder_mismatch"
+    for key in ("image", "two", "chat"):
+        assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]
+    assert by_id["two"]["num_input_tokens"] > by_id["image"]["num_input_tokens"] + 16
+
+
+@pytest.mark.slow
+def test_serve_answers_images(tiny_model_dir, tmp_path):
+    import openai
+
+    from server_harness import data_url
+    from vlmbatch.testing.server_process import ServerProcess
+
+    make_image(1, (97, 61)).save(tmp_path / "odd.png")
+    model = str(tiny_model_dir("gemma3"))
+    with ServerProcess(["--model", model]) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        image = {"type": "image_url", "image_url": {"url": data_url((tmp_path / "odd.png").read_bytes())}}
+        for parts in ([image], [image, image]):
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
+                max_tokens=3, temperature=0,
+            )
+            assert reply.choices[0].finish_reason in ("stop", "length")
+            assert reply.usage.prompt_tokens > 20 * len(parts)

@@ -14,7 +14,7 @@ from vlmbatch.engine.llm import LLM
 from vlmbatch.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
-ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe"]
+ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "gemma3"]
 
 
 def _image(h: int, w: int, seed: int) -> Image.Image:
@@ -28,6 +28,13 @@ def _cases(arch: str) -> list[tuple[str, list[Image.Image]]]:
             ("USER: <image>\nDescribe the image. ASSISTANT:", [_image(60, 80, 1)]),
             ("USER: <image>\n<image>\nWhat is the same in both? ASSISTANT:", [_image(56, 56, 2), _image(90, 70, 3)]),
             ("USER: <image>\nThe cat sits on the mat. What color is the car? ASSISTANT:", [_image(70, 70, 4)]),
+        ]
+    if arch == "gemma3":
+        turn = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+        return [
+            (turn.format("<start_of_image>Describe the image."), [_image(60, 80, 1)]),
+            (turn.format("<start_of_image><start_of_image>What is the same in both?"), [_image(56, 56, 2), _image(90, 70, 3)]),
+            (turn.format("The cat sits on the mat. <start_of_image>What color is the car?"), [_image(70, 70, 4)]),
         ]
     ph = "<|vision_start|><|image_pad|><|vision_end|>"
     turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -50,7 +57,9 @@ def _hf_generate(
     """The reference: the checkpoint's own processor and `generate()`, nothing of ours."""
     processor, model = _hf_model(path, device, dtype)
     flat = [img for imgs in images for img in imgs]
-    inputs = processor(text=prompts, images=flat, padding=True, padding_side="left", return_tensors="pt")
+    per_prompt = type(processor).__name__ == "Gemma3Processor"  # it takes one list of images per prompt
+    inputs = processor(text=prompts, images=images if per_prompt else flat, padding=True, padding_side="left",
+                       return_tensors="pt")
     inputs = inputs.to(device, dtype=dtype)  # casts the pixels only, as our engine does
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)

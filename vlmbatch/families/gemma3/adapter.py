@@ -77,7 +77,7 @@ class Gemma3Adapter(ProcessorAdapter):
         the pixels' layout, so that path preprocesses."""
         images = list(images or [])
         if videos or self.pan_and_scan:
-            return super().check(prompt, images, videos, max_tokens)
+            return self.prepare(prompt, images, videos, max_tokens).num_tokens
         self._validate(prompt, images, [])
         num_tokens = self._count_text_tokens(self._expanded(prompt))
         self._check_length(num_tokens, max_tokens)
