@@ -108,9 +108,10 @@ def paged_prefill_attention_ref(
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Qwen2/Llama RMSNorm, rounding exactly where Hugging Face does.
+    """Qwen2/Llama RMSNorm, rounding exactly where Hugging Face does; with `offset`, Gemma's
+    (`Gemma3RMSNorm`: the weight applied as (1 + w) in fp32, rounded once at the end).
 
     With `residual`, first `x = x + residual` in the model dtype (the decoder layer's
     residual add) and return `(norm(x), x)` so the add and the norm share one pass.
@@ -118,8 +119,8 @@ def rms_norm_ref(
     if residual is not None:
         x = x + residual
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-    out = weight * normed
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = (normed * (1.0 + weight.float())).to(x.dtype) if offset else weight * normed.to(x.dtype)
     return (out, x) if residual is not None else out
 
 

@@ -199,3 +199,46 @@ def test_serve_answers_images(tiny_model_dir, tmp_path):
             )
             assert reply.choices[0].finish_reason in ("stop", "length")
             assert reply.usage.prompt_tokens > 20 * len(parts)
+
+
+GEMMA_TRITON_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, sys.argv[2])
+import torch
+torch.set_num_threads(1)
+from engine_harness import gemma3_prompt, hf_greedy, make_image, run_greedy
+from vlmbatch.config import EngineConfig
+from vlmbatch.engine.loading import load_hf_model
+from vlmbatch.engine.paged import PagedEngine
+from vlmbatch.families.registry import load_adapter
+
+path = sys.argv[1]
+adapter = load_adapter(path)
+engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", attention_backend="triton", num_kv_blocks=16,
+                     block_size=8, max_num_batched_tokens=40, min_admission_batch=1))
+request = ("What color is the car?", [make_image(5, (90, 56))], [], 4)
+prepared, outputs = run_greedy(engine, adapter, [("0", gemma3_prompt(request[0], 1, False), *request[1:])])
+again, repeated = run_greedy(engine, adapter, [("1", gemma3_prompt(request[0], 1, False), *request[1:])])  # a prefix hit
+prepared.update(again)
+outputs.update(repeated)
+assert engine.stats.num_chunked_prefills > 0 and engine.stats.num_prefix_hit_tokens > 0, engine.stats
+assert type(engine.model.decoder.norm).__name__ == "OffsetRMSNorm" and engine.model.decoder.norm.kernel is not None
+hf = load_hf_model(path, torch.float32, torch.device("cpu"))
+for request_id, (prompt, max_tokens) in prepared.items():
+    assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf, adapter, prompt, max_tokens), request_id
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_kernels_match_transformers_under_the_interpreter(tiny_model_dir):
+    """The triton backend and kernels on Gemma 3 (windowed, span-aware prefill; windowed
+    split-KV decode; the fused (1 + w) norm), in a fresh interpreter process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run([sys.executable, "-c", GEMMA_TRITON_SCRIPT, str(tiny_model_dir("gemma3")), str(Path(__file__).parent)],
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -52,15 +52,17 @@ def test_store_kvcache_writes_only_mapped_slots(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 48], ids=["pow2", "masked"])
-def test_rms_norm_matches_reference(dtype, hidden):
+@pytest.mark.parametrize("offset", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_matches_reference(dtype, hidden, offset):
     x = randn(2, 3, hidden, dtype=dtype, seed=3)
     residual = randn(2, 3, hidden, dtype=dtype, seed=4)
     weight = randn(hidden, dtype=dtype, seed=5)
     atol, rtol = TOLERANCE[dtype]
 
-    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=atol, rtol=rtol)
-    out, new_residual = rms_norm(x, weight, 1e-6, residual=residual)
-    expected_out, expected_residual = rms_norm_ref(x, weight, 1e-6, residual=residual)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6, offset=offset), rms_norm_ref(x, weight, 1e-6, offset=offset),
+                               atol=atol, rtol=rtol)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual=residual, offset=offset)
+    expected_out, expected_residual = rms_norm_ref(x, weight, 1e-6, residual=residual, offset=offset)
     assert torch.equal(new_residual, expected_residual)
     torch.testing.assert_close(out, expected_out, atol=atol, rtol=rtol)
 
@@ -85,6 +87,18 @@ def test_rms_norm_reference_is_hugging_faces_norm():
         layer.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(9)))
         x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
         assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6), layer(x))
+
+
+def test_offset_rms_norm_reference_is_gemmas_norm():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    hidden = 64
+    layer = Gemma3RMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(9)))
+        x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+        assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6, offset=True), layer(x))
+        assert not torch.equal(rms_norm_ref(x, layer.weight, 1e-6), layer(x))
 
 
 def test_rotary_reference_with_gathered_mrope_cos_sin_is_hugging_faces_mrope():

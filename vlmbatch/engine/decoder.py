@@ -78,7 +78,7 @@ class DecoderSpec:
         return self.layers[index] if self.layers is not None else LayerAttention()
 
     def norm(self, size: int, eps: float, kernels: KernelSet) -> RMSNorm:
-        return OffsetRMSNorm(size, eps) if self.offset_norm else RMSNorm(size, eps, kernels.rms_norm)
+        return OffsetRMSNorm(size, eps, kernels.rms_norm) if self.offset_norm else RMSNorm(size, eps, kernels.rms_norm)
 
 
 class Attention(nn.Module):
