@@ -242,3 +242,17 @@ def test_triton_kernels_match_transformers_under_the_interpreter(tiny_model_dir)
     result = subprocess.run([sys.executable, "-c", GEMMA_TRITON_SCRIPT, str(tiny_model_dir("gemma3")), str(Path(__file__).parent)],
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_a_backend_without_windows_or_spans_is_refused(gemma3):
+    from vlmbatch.engine.attention import TorchBackend
+
+    class CausalOnly(TorchBackend):  # what the flash-attn backend declares
+        name = "causal-only"
+        beyond_causal = False
+
+    adapter, _ = gemma3
+    engine = small_engine(adapter)
+    with pytest.raises(ValueError, match="sliding-window layers or bidirectional image attention.*triton or torch"):
+        engine.runner.use_backend(CausalOnly())
+    assert engine.runner.backend.name == "torch"

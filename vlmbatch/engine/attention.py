@@ -54,6 +54,9 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str
+    # Sliding windows and per-query key ends (bidirectional spans); a model that needs them
+    # is refused on a backend without them when the runner is built (`ModelRunner`).
+    beyond_causal = True
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Write this step's keys/values [num_tokens, kv_heads, head_dim] into their slots."""
@@ -199,6 +202,9 @@ class FlashAttnBackend(AttentionBackend):
     Causal masks align to the bottom right, the same offset the paged contract uses."""
 
     name = "flash-attn"
+    # FlashAttention has sliding windows but no per-query key ends, and neither is wired up
+    # or measured here: such models are refused rather than computed wrong.
+    beyond_causal = False
 
     def __init__(self) -> None:
         self.flavour = flash_attn_flavour()
@@ -206,16 +212,7 @@ class FlashAttnBackend(AttentionBackend):
             raise ImportError("the flash-attn backend needs `flash_attn.cute` (pip install flash-attn-4) or `flash_attn`")
         self.flash_attn = importlib.import_module("flash_attn.cute" if self.flavour == "fa4" else "flash_attn")
 
-    @staticmethod
-    def _check_causal(window: int, meta: AttentionMetadata) -> None:
-        """FlashAttention has sliding windows but not per-query key ends; neither is wired
-        up or measured here, so such layers are refused rather than computed wrong."""
-        if window or meta.key_ends is not None:
-            raise NotImplementedError("the flash-attn backend does not do sliding windows or bidirectional spans: "
-                                      "use --attention-backend triton or torch")
-
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
-        self._check_causal(window, meta)
         if self.flavour == "fa4":
             return self.flash_attn.flash_attn_varlen_func(
                 q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_q_len,
@@ -229,7 +226,6 @@ class FlashAttnBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, meta, scale, window=0):
-        self._check_causal(window, meta)
         if self.flavour == "fa4":  # one query per sequence: the batched (not varlen) layout
             return self.flash_attn.flash_attn_varlen_func(
                 q.unsqueeze(1), k_cache, v_cache, seqused_k=meta.context_lens, page_table=meta.block_tables,

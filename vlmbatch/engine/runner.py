@@ -45,6 +45,7 @@ class ModelRunner:
     ):
         self.model = model
         self.decoder = model.decoder
+        self._check_backend(backend)
         self.backend = backend
         self.device = device
         self.dtype = self.decoder.embed_tokens.weight.dtype
@@ -234,9 +235,17 @@ class ModelRunner:
         return self._replay(graph_size, ids, positions, slots, [s.block_table for s in seqs], ctx, input_ids)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
+    def _check_backend(self, backend: AttentionBackend) -> None:
+        """A model with sliding windows or bidirectional spans needs a backend that does them."""
+        needs = self.model.bidirectional_media or any(layer.self_attn.window for layer in self.decoder.layers)
+        if needs and not backend.beyond_causal:
+            raise ValueError(f"this model has sliding-window layers or bidirectional image attention, which the "
+                             f"{backend.name} attention backend does not do: use --attention-backend triton or torch")
+
     def use_backend(self, backend: AttentionBackend) -> None:
         """Switch attention backends (benchmarks compare them on one loaded model; the
         model's other kernels stay as it was built with)."""
+        self._check_backend(backend)
         self.backend = backend
         if self.graphs:
             capture = any(g is not None for g in self.graphs.values())
