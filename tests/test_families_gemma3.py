@@ -224,6 +224,7 @@ prepared.update(again)
 outputs.update(repeated)
 assert engine.stats.num_chunked_prefills > 0 and engine.stats.num_prefix_hit_tokens > 0, engine.stats
 assert type(engine.model.decoder.norm).__name__ == "OffsetRMSNorm" and engine.model.decoder.norm.kernel is not None
+assert engine.model.decoder.layers[0].mlp.act.func.__name__ == "fused_gelu_tanh_and_mul"
 hf = load_hf_model(path, torch.float32, torch.device("cpu"))
 for request_id, (prompt, max_tokens) in prepared.items():
     assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf, adapter, prompt, max_tokens), request_id
@@ -234,7 +235,7 @@ print("ok")
 @pytest.mark.slow
 def test_triton_kernels_match_transformers_under_the_interpreter(tiny_model_dir):
     """The triton backend and kernels on Gemma 3 (windowed, span-aware prefill; windowed
-    split-KV decode; the fused (1 + w) norm), in a fresh interpreter process."""
+    split-KV decode; the fused (1 + w) norm and GeGLU), in a fresh interpreter process."""
     import subprocess
     import sys
     from pathlib import Path

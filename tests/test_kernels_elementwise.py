@@ -69,6 +69,22 @@ def test_rms_norm_matches_reference(dtype, hidden, offset):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_geglu_matches_gemmas_activation(dtype):
+    from transformers.activations import ACT2FN
+
+    from vlmbatch.engine.layers.activation import gelu_tanh_and_mul
+    from vlmbatch.kernels import fused_gelu_tanh_and_mul
+
+    gate_up = randn(3, 2 * 1500, dtype=dtype, seed=11) * 3  # two column blocks, a ragged tail, both tails of tanh
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = ACT2FN["gelu_pytorch_tanh"](gate) * up  # Gemma3MLP's own
+    assert torch.equal(gelu_tanh_and_mul(gate_up), expected)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(fused_gelu_tanh_and_mul(gate_up), expected, atol=atol, rtol=rtol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_reference(dtype):
     num_tokens, head_dim = 5, 32
     q = randn(num_tokens, 6, head_dim, dtype=dtype, seed=6)

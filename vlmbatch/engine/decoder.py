@@ -25,7 +25,6 @@ from torch import nn
 
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
 from vlmbatch.engine.kernel_choice import KernelSet
-from vlmbatch.engine.layers.activation import gelu_tanh_and_mul
 from vlmbatch.engine.layers.embedding import ScaledEmbedding
 from vlmbatch.engine.layers.linear import Linear
 from vlmbatch.engine.layers.norm import OffsetRMSNorm, RMSNorm
@@ -126,7 +125,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, skinny=kernels.skinny(SKINNY_ROWS, GATE_UP_LAUNCH))
         self.down_proj = Linear(intermediate, hidden, bias=False, skinny=kernels.skinny())
-        activations = {"silu": kernels.silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+        activations = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
         if activation not in activations:
             raise ValueError(f"unsupported activation {activation!r}; the decoder has {', '.join(activations)}")
         self.act: Callable = activations[activation]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmbatch.config import EngineConfig
-from vlmbatch.engine.layers.activation import silu_and_mul
+from vlmbatch.engine.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from vlmbatch.engine.layers.rotary import apply_rotary
 
 # Decode graphs of up to this many sequences launch their Triton kernels with programmatic
@@ -45,6 +45,7 @@ class KernelSet:
     skinny_linear: Callable | None
     decode_linear: str
     pdl_max_rows: int
+    gelu_tanh_and_mul: Callable = gelu_tanh_and_mul  # GeGLU (Gemma)
 
     def skinny(self, measured_rows: int = 0, launch: dict[str, int] | None = None) -> SkinnyLinear | None:
         """The skinny-GEMM choice of one layer, as `decode_linear` says: `auto` takes the rows
@@ -76,4 +77,4 @@ def choose_kernels(config: EngineConfig, device: torch.device, attention_backend
         return functools.partial(kernel, pdl_max_rows=pdl)
 
     return KernelSet("triton", bound(kernels.rms_norm), bound(kernels.apply_rotary), bound(kernels.fused_silu_and_mul),
-                     bound(kernels.skinny_linear), config.decode_linear, pdl)
+                     bound(kernels.skinny_linear), config.decode_linear, pdl, bound(kernels.fused_gelu_tanh_and_mul))
