@@ -43,7 +43,7 @@ def bench_engine(
     gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for our weights, activations and KV cache."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     async_decode: bool = typer.Option(True, "--async-decode/--sync-decode", help="Launch each decode step before reading the previous one's tokens (the engine's default), or await every step."),
-    json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
+    json_out: Path = typer.Option(Path("bench-out/engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
     from vlmbatch.bench.engine import BenchOptions, run_bench

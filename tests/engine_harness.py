@@ -1,7 +1,7 @@
 """Shared by the engine and family tests: mixed requests of every kind, and the transformers reference.
 
 Requests mix text-only prompts, one to `max_images` images of odd sizes (some shared, so
-the encoder cache hits), a video (Qwen families) and exact repeats (so the prefix cache
+the encoder cache hits), a video (Qwen families, InternVL) and exact repeats (so the prefix cache
 hits); `hf_greedy` is what `transformers` `generate()` gives for the same prepared prompt.
 """
 
@@ -45,19 +45,28 @@ def gemma3_prompt(text: str, num_images: int, with_video: bool) -> str:
     return f"<start_of_turn>user\n{SYSTEM}\n\n" + "<start_of_image>" * num_images + f"{text}<end_of_turn>\n<start_of_turn>model\n"
 
 
+def internvl_prompt(text: str, num_images: int, with_video: bool) -> str:
+    media = "<IMG_CONTEXT>\n" * num_images + ("<video>\n" if with_video else "")
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{media}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+PROMPTS = {"internvl": internvl_prompt, "gemma3": gemma3_prompt}  # families whose prompts are neither Qwen's nor LLaVA's
+VIDEO_FAMILIES = ("qwen", "internvl")
+
+
 def build_requests(adapter, family: str, count: int, seed: int, max_images: int = 2,
                    widths: tuple[int, ...] = (40, 56, 90, 112), heights: tuple[int, ...] = (40, 56, 84)):
-    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen), repeats."""
+    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen, InternVL), repeats."""
     rng = random.Random(seed)
     images = [make_image(i, (rng.choice(widths), rng.choice(heights))) for i in range(4)]
-    make_prompt = qwen_prompt if family.startswith("qwen") else gemma3_prompt if family == "gemma3" else llava_prompt
+    make_prompt = PROMPTS.get(family) or (qwen_prompt if family.startswith("qwen") else llava_prompt)
     requests = []
     for i in range(count):
         if i % 10 == 9:  # an exact repeat: its whole prefix is cached
             requests.append((f"{i}", *requests[-1][1:]))
             continue
         num_images = rng.choice([0, 1, *range(1, max_images + 1)])
-        with_video = family.startswith("qwen") and i % 10 == 4
+        with_video = family.startswith(VIDEO_FAMILIES) and i % 10 == 4
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
         chosen = [images[rng.randrange(len(images))] for _ in range(num_images)]
         videos = [make_video(i)] if with_video else []
@@ -81,6 +90,20 @@ def run_greedy(engine, adapter, requests) -> tuple[dict, dict]:
         prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
         engine.add_request(request_id, prepared[request_id][0], SamplingParams(max_tokens=max_tokens, temperature=0))
     return prepared, run_to_completion(engine)
+
+
+def assert_greedy_matches_transformers(engine, adapter, hf_model, requests) -> dict:
+    """Run `requests` greedily; every output must equal `generate()`'s tokens, and batching,
+    chunked prefill, preemption and prefix- and encoder-cache hits must all have happened.
+    Returns {id: (prepared prompt, max_tokens)}."""
+    prepared, outputs = run_greedy(engine, adapter, requests)
+    assert sorted(outputs) == sorted(prepared)
+    for request_id, (prompt, max_tokens) in prepared.items():
+        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
+    stats = engine.stats
+    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
+    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    return prepared
 
 
 def run_to_completion(engine) -> dict:

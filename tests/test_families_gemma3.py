@@ -113,6 +113,11 @@ def test_pan_and_scan_crops_match_the_processor_and_transformers(gemma3, pan_and
     assert prompt.prompt_token_ids == direct["input_ids"][0].tolist()
     assert len(prompt.media) == len(direct["pixel_values"]) > len(images)
     assert adapter.check(text, images, max_tokens=6) == prompt.num_tokens
+    per_row = gemma3[0].prepare(text, images, max_tokens=6, processor_kwargs={"do_pan_and_scan": True,
+                                                                               "pan_and_scan_min_crop_size": 16})
+    assert per_row.prompt_token_ids == prompt.prompt_token_ids  # a row's mm_processor_kwargs do it too
+    assert gemma3[0].check(text, images, processor_kwargs={"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}) \
+        == prompt.num_tokens
     engine = small_engine(adapter)
     engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0))
     assert len(engine.scheduler.waiting[0].mm.bidirectional_spans) == len(prompt.media)
@@ -257,3 +262,38 @@ def test_a_backend_without_windows_or_spans_is_refused(gemma3):
     with pytest.raises(ValueError, match="sliding-window layers or bidirectional image attention.*triton or torch"):
         engine.runner.use_backend(CausalOnly())
     assert engine.runner.backend.name == "torch"
+
+
+def test_rows_take_pan_and_scan_per_row_and_defer_plain_jpegs(tiny_model_dir, tmp_path):
+    """In CI's default run (no subprocesses): a row's `mm_processor_kwargs` turn pan-and-scan
+    on for that row (CPU path); a bad option is its `invalid_row`; a plain JPEG row is
+    deferred to the engine's GPU decoder with the CPU path's token ids; a video is
+    `unsupported_media`."""
+    import io
+
+    from vlmbatch.config import MediaConfig
+    from vlmbatch.errors import ErrorType
+    from vlmbatch.io.readers import ColumnMap
+    from vlmbatch.job.prepare import media_loader_for, prepare_row
+
+    adapter = load_adapter(str(tiny_model_dir("gemma3")))
+    buffer = io.BytesIO()
+    make_image(2, (150, 40)).save(buffer, format="JPEG", quality=90)
+    media = media_loader_for(tmp_path / "data.jsonl", None, MediaConfig())
+
+    def row(options=None, **kwargs):
+        raw = {"prompt": IMAGE_PROMPT, "image": buffer.getvalue(), "mm_processor_kwargs": options}
+        return prepare_row(0, raw, ColumnMap(), SamplingParams(max_tokens=4), adapter, media, **kwargs)
+
+    deferred, cpu = row(defer_jpegs=True), row()
+    assert deferred.error is None and [i.encoded is not None for i in deferred.prepared.media] == [True]
+    assert deferred.prepared.prompt_token_ids == cpu.prepared.prompt_token_ids
+    crops = row({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}, defer_jpegs=True)
+    assert crops.error is None and len(crops.prepared.media) > 1 and all(i.encoded is None for i in crops.prepared.media)
+    assert row({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}, check_only=True).error is None
+    for bad in ({"crops": 2}, {"pan_and_scan_max_num_crops": 0}):
+        error = row(bad).error
+        assert error is not None and error.error_type == ErrorType.INVALID_ROW and error.param == "mm_processor_kwargs"
+    raw = {"prompt": IMAGE_PROMPT.replace("<start_of_image>", ""), "video": buffer.getvalue()}
+    video = prepare_row(0, raw, ColumnMap(), SamplingParams(max_tokens=4), adapter, media)
+    assert video.error is not None and video.error.error_type == ErrorType.UNSUPPORTED_MEDIA

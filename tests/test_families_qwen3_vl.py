@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import build_requests, hf_greedy, make_image, make_video, qwen_prompt, run_greedy
+from engine_harness import assert_greedy_matches_transformers, build_requests, make_image, make_video, qwen_prompt
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -32,13 +32,7 @@ def test_fifty_mixed_requests_match_transformers(qwen3):
     engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=96, block_size=4,
                                                max_num_seqs=6, max_num_batched_tokens=48, min_admission_batch=1))
     requests = build_requests(adapter, "qwen3_vl", 50, seed=3, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
-    prepared, outputs = run_greedy(engine, adapter, requests)
-    assert sorted(outputs) == sorted(prepared)
-    for request_id, (prompt, max_tokens) in prepared.items():
-        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
-    stats = engine.stats
-    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
-    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    assert_greedy_matches_transformers(engine, adapter, hf_model, requests)
     assert {len(images) for _, _, images, _, _ in requests} == {0, 1, 2, 3}
     assert any(videos for *_, videos, _ in requests)
 

@@ -14,7 +14,7 @@ from vlmbatch.engine.llm import LLM
 from vlmbatch.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
-ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "gemma3"]
+ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "internvl", "gemma3"]
 
 
 def _image(h: int, w: int, seed: int) -> Image.Image:
@@ -36,7 +36,7 @@ def _cases(arch: str) -> list[tuple[str, list[Image.Image]]]:
             (turn.format("<start_of_image><start_of_image>What is the same in both?"), [_image(56, 56, 2), _image(90, 70, 3)]),
             (turn.format("The cat sits on the mat. <start_of_image>What color is the car?"), [_image(70, 70, 4)]),
         ]
-    ph = "<|vision_start|><|image_pad|><|vision_end|>"
+    ph = "<IMG_CONTEXT>\n" if arch == "internvl" else "<|vision_start|><|image_pad|><|vision_end|>"
     turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
     return [
         (turn.format(f"{ph}Describe the image."), [_image(60, 80, 1)]),  # 4 image tokens

@@ -32,7 +32,8 @@ class ModelShape:
     vision: dict[str, Any] = field(default_factory=dict)  # vision_config values
     top: dict[str, Any] = field(default_factory=dict)  # top-level config values
     image_processor: dict[str, Any] = field(default_factory=dict)  # image processor values (`size` bounds, patch...)
-    processor: dict[str, Any] = field(default_factory=dict)  # processor values (Gemma 3: image_seq_length)
+    video_processor: dict[str, Any] = field(default_factory=dict)  # video processor values (InternVL: frame size)
+    processor: dict[str, Any] = field(default_factory=dict)  # processor values (InternVL: tokens a tile)
     text_json_extra: dict[str, Any] = field(default_factory=dict)  # written into config.json's text_config for older readers
     source: str = ""
 
@@ -53,6 +54,25 @@ _QWEN3_TEXT = dict(head_dim=128, vocab_size=151936, tie_word_embeddings=False, m
 _QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
+# InternVL3-8B-hf: InternViT-300M-448px-V2.5 (CLS token, layer scale, LayerNorm, q/k/v biases),
+# 0.5 pixel shuffle (256 tokens a 448 px tile), Qwen2.5-7B; the image processor's own
+# ImageNet mean/std and 448 px tiles, up to 12 of them plus the thumbnail. Its rope_scaling
+# (dynamic, factor 2) only acts past max_position_embeddings (32768): the default rope here.
+_INTERNVL3_8B = dict(
+    text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+              vocab_size=151674, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+              architectures=["Qwen2ForCausalLM"]),  # vLLM builds the inner language model from it
+    vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=[448, 448],
+                patch_size=[14, 14], attention_bias=True, norm_type="layer_norm", use_qk_norm=False, layer_norm_eps=1e-6,
+                layer_scale_init_value=0.1, use_mean_pooling=True),
+    top={"tie_word_embeddings": False, "image_seq_length": 256, "downsample_ratio": 0.5},
+    image_processor={"size": {"height": 448, "width": 448}, "max_patches": 12, "min_patches": 1,
+                     "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]},
+    video_processor={"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+                     "image_std": [0.229, 0.224, 0.225]},
+    processor={"image_seq_length": 256},
+)
 # Gemma 3: five sliding-window layers (window 1024, local RoPE base 1e4) per global one
 # (base 1e6, linear scaling 8); `layer_types` is this pattern, repeated to the depth.
 _GEMMA3_TEXT = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208, rms_norm_eps=1e-6,
@@ -93,6 +113,10 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                image_processor=_QWEN3_IMAGE,
                text_json_extra={"num_experts": 128},  # transformers 5.24 writes num_local_experts; 5.17 (vLLM's) reads this
                source="Qwen/Qwen3-VL-30B-A3B-Instruct config.json (../shared/FACTS.md)"),
+    ModelShape("tiny_internvl", "internvl", "InternVLForConditionalGeneration",
+               source="the tiny InternVL3 test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("internvl3_8b", "internvl", "InternVLForConditionalGeneration", **_INTERNVL3_8B,
+               source="OpenGVLab/InternVL3-8B-hf config.json and processor"),
     ModelShape("tiny_gemma3", "gemma3", "Gemma3ForConditionalGeneration",
                source="the tiny Gemma 3 test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("gemma3_12b", "gemma3", "Gemma3ForConditionalGeneration",
@@ -156,14 +180,17 @@ def write_model_folder(shape: ModelShape, root: Path) -> Path:
         written = json.loads((path / "config.json").read_text())
         written["text_config"].update(shape.text_json_extra)
         (path / "config.json").write_text(json.dumps(written, indent=2))
-    if shape.image_processor or shape.processor:
+    if shape.image_processor or shape.video_processor or shape.processor:
         processor = AutoProcessor.from_pretrained(path)
-        for key, value in shape.image_processor.items():
-            setattr(processor.image_processor, key, value)
-        for key, value in shape.processor.items():
-            setattr(processor, key, value)
+        parts = ((processor.image_processor, shape.image_processor), (processor, shape.processor),
+                 (getattr(processor, "video_processor", None), shape.video_processor))
+        for target, values in parts:
+            for key, value in values.items():
+                setattr(target, key, value)
         processor.save_pretrained(path)
         processor.image_processor.save_pretrained(path)  # preprocessor_config.json, which other readers take
+        if shape.video_processor:
+            processor.video_processor.save_pretrained(path)  # video_preprocessor_config.json
     return path
 
 

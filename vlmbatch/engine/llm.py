@@ -86,13 +86,14 @@ class LLM:
             return self.adapter.prepare(prompt, max_tokens=params.max_tokens)
         if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
             raise TypeError(f'a prompt is a str or {{"prompt": str, "multi_modal_data": ...}}, got {prompt!r}')
-        unknown = set(prompt) - {"prompt", "multi_modal_data"}
+        unknown = set(prompt) - {"prompt", "multi_modal_data", "mm_processor_kwargs"}
         media = prompt.get("multi_modal_data") or {}
         unknown |= {f"multi_modal_data.{k}" for k in set(media) - {"image", "video"}}
         if unknown:
             raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
         return self.adapter.prepare(
-            prompt["prompt"], _as_list(media.get("image")), _as_list(media.get("video")), max_tokens=params.max_tokens
+            prompt["prompt"], _as_list(media.get("image")), _as_list(media.get("video")), max_tokens=params.max_tokens,
+            processor_kwargs=prompt.get("mm_processor_kwargs"),
         )
 
     def generate(

@@ -50,8 +50,11 @@ class ModelAdapter(ABC):
         images: list[Any] | None = None,
         videos: list[VideoFrames] | None = None,
         max_tokens: int = 0,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> PreparedPrompt:
-        """Tokenise `prompt` with its media into token ids and media items; raise `RowError`."""
+        """Tokenise `prompt` with its media into token ids and media items; raise `RowError`.
+        `processor_kwargs` (a row's `mm_processor_kwargs`) go to the processor, e.g. InternVL's
+        `max_patches`; keys the family does not take are a `RowError`."""
 
     def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
         """`prepare` for JPEGs the engine decodes itself: identical token ids, items that
@@ -69,7 +72,8 @@ class ModelAdapter(ABC):
         images: list[Any] | None = None,
         videos: list[VideoFrames] | None = None,
         max_tokens: int = 0,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> int:
         """Validate like `prepare` and return the prompt's token count; families override it
         with a path that skips pixel preprocessing (the dry-run checks 5,000+ rows/s)."""
-        return self.prepare(prompt, images, videos, max_tokens).num_tokens
+        return self.prepare(prompt, images, videos, max_tokens, processor_kwargs).num_tokens

@@ -57,6 +57,7 @@ FAMILIES: dict[str, Family] = {
         _family("llava", {IMAGES}),
         _family("qwen3_vl", {IMAGES, VIDEO}),
         _family("qwen3_vl_moe", {IMAGES, VIDEO, MOE}),
+        _family("internvl", {IMAGES, VIDEO}),
         _family("gemma3", {IMAGES}),
     )
 }

@@ -82,7 +82,8 @@ class ChatCompletions:
         loop = asyncio.get_running_loop()
         try:
             prompt = await loop.run_in_executor(
-                self._prompt_thread, self._render, request.messages, images, videos, request.requested_max_tokens or 1
+                self._prompt_thread, self._render, request.messages, images, videos, request.requested_max_tokens or 1,
+                request.mm_processor_kwargs,
             )
         except RowError as error:
             if error.param == "prompt":  # the client sent messages, not the rendered prompt
@@ -101,10 +102,11 @@ class ChatCompletions:
         )
         return PreparedRequest(new_completion_id(), prompt, params)
 
-    def _render(self, messages: list[dict[str, Any]], images: list[Any], videos: list[Any], max_tokens: int) -> PreparedPrompt:
+    def _render(self, messages: list[dict[str, Any]], images: list[Any], videos: list[Any], max_tokens: int,
+                processor_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
         """OpenAI messages (the adapter places the media placeholders) → token ids and pixels."""
         text = self._adapter.apply_chat_template(messages)
-        return self._adapter.prepare(text, images or None, videos or None, max_tokens)
+        return self._adapter.prepare(text, images or None, videos or None, max_tokens, processor_kwargs)
 
     def _check_media_counts(self, num_images: int, num_videos: int) -> None:
         for modality, count in (("image", num_images), ("video", num_videos)):

@@ -3,10 +3,12 @@
 `mm_tokens_per_image` soft tokens, `<end_of_image>\\n\\n`; images only.
 
 Pan-and-scan: when the checkpoint's image processor config sets `do_pan_and_scan` (with
-its crop settings), each image also gets up to `pan_and_scan_max_num_crops` crops, each
-its own begin/end-of-image run of soft tokens after the thumbnail's. The processor's own
-defaults would override the config's values, so the adapter hands them to the processor
-as its image defaults. Each crop is then its own media item (keyed by its pixels).
+its crop settings), or a row's `mm_processor_kwargs` do, each image also gets up to
+`pan_and_scan_max_num_crops` crops, each its own begin/end-of-image run of soft tokens
+after the thumbnail's. The processor's own defaults would override the config's values,
+so the adapter hands them to the processor as its image defaults. Each thumbnail and crop
+is then its own media item (keyed by its pixels); the dry run counts crops from each
+image's size by the image processor's own rule, so it needs no pixels.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Gemma3Adapter(ProcessorAdapter):
     image_token = "<start_of_image>"  # what a prompt carries once per image (the processor's `image_token`)
     image_placeholder = "<start_of_image>"
     extra_eos_tokens = ("<end_of_turn>",)
+    processor_options = {"do_pan_and_scan": bool, "pan_and_scan_min_crop_size": int, "pan_and_scan_max_num_crops": int}
 
     def __init__(self, model_path: str, processor: Any, config: Any, family: Any):
         super().__init__(model_path, processor, config, family)
@@ -39,6 +42,7 @@ class Gemma3Adapter(ProcessorAdapter):
 
     @property
     def pan_and_scan(self) -> bool:
+        """Whether the checkpoint's config turns pan-and-scan on (a row may still ask for it)."""
         return bool(getattr(self.processor, "images_kwargs", {}).get("do_pan_and_scan"))
 
     @cached_property
@@ -57,29 +61,48 @@ class Gemma3Adapter(ProcessorAdapter):
         adds_bos = bos is not None and self.tokenizer("", add_special_tokens=True)["input_ids"][:1] == [self.tokenizer.bos_token_id]
         return text[len(bos):] if adds_bos and text.startswith(bos) else text
 
+    def _pan_and_scan(self, processor_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The pan-and-scan settings in force for a row (the processor's, the row's over them), or None when off."""
+        settings = {**getattr(self.processor, "images_kwargs", {}), **processor_kwargs}
+        return settings if settings.get("do_pan_and_scan") else None
+
+    def _num_crops(self, height: int, width: int, settings: dict[str, Any] | None) -> int:
+        """Crops of an image of this size, by the image processor's own rule (its crops are
+        views, so a stride-0 stand-in of that size is enough: no pixels needed)."""
+        if settings is None:
+            return 0
+        stand_in = torch.zeros(()).expand(3, height, width)
+        return len(self.processor.image_processor.pan_and_scan_batched(
+            stand_in, settings["pan_and_scan_min_crop_size"], settings["pan_and_scan_max_num_crops"],
+            settings["pan_and_scan_min_ratio_to_activate"]))
+
+    def _expanded(self, prompt: str, crops: list[int]) -> str:
+        """The prompt as the processor expands it, each image with its crops."""
+        pieces = prompt.split(self.image_token)
+        return pieces[0] + "".join(self.processor.replace_image_token({"num_crops": crops}, i) + piece
+                                   for i, piece in enumerate(pieces[1:]))
+
     def media_items(self, processed: dict[str, torch.Tensor], hashes: list[str]) -> list[MediaItem]:
-        """One item per image of `mm_tokens_per_image` tokens; with pan-and-scan one per
-        thumbnail and per crop, in prompt order, each keyed by its own pixels."""
+        """One item per image of `mm_tokens_per_image` tokens; with pan-and-scan crops (the
+        pixel rows outnumber the images, and which rows are whose is not known here) one
+        per thumbnail and per crop, in prompt order, each keyed by its own pixels."""
         tokens = int(self.config.mm_tokens_per_image)
         pixels = processed["pixel_values"]
         if len(pixels) == len(hashes):
             return [MediaItem(IMAGE, {"pixel_values": p.unsqueeze(0)}, tokens, h) for p, h in zip(pixels, hashes)]
         return [MediaItem(IMAGE, {"pixel_values": p.unsqueeze(0)}, tokens, _pixels_hash(p)) for p in pixels]
 
-    def _expanded(self, prompt: str) -> str:
-        """The prompt as the processor expands it without pan-and-scan."""
-        return prompt.replace(self.image_token, self.processor.full_image_sequence)
-
     def check(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
-              max_tokens: int = 0) -> int:
+              max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> int:
         """Exact token count from the expanded text (its newlines tokenise with their
-        neighbours, so counting per image would be off); pan-and-scan's crops depend on
-        the pixels' layout, so that path preprocesses."""
-        images = list(images or [])
-        if videos or self.pan_and_scan:
-            return self.prepare(prompt, images, videos, max_tokens).num_tokens
-        self._validate(prompt, images, [])
-        num_tokens = self._count_text_tokens(self._expanded(prompt))
+        neighbours, so counting per image would be off), crops counted from each size."""
+        images, processor_kwargs = list(images or []), dict(processor_kwargs or {})
+        if videos:
+            return self.prepare(prompt, images, videos, max_tokens, processor_kwargs).num_tokens
+        self._validate(prompt, images, [], processor_kwargs)
+        settings = self._pan_and_scan(processor_kwargs)
+        crops = [self._num_crops(image.height, image.width, settings) for image in images]
+        num_tokens = self._count_text_tokens(self._expanded(prompt, crops))
         self._check_length(num_tokens, max_tokens)
         return num_tokens
 
@@ -93,15 +116,15 @@ class Gemma3Adapter(ProcessorAdapter):
         if self.pan_and_scan:
             raise NotImplementedError("pan-and-scan crops depend on the pixels: images are decoded on the CPU")
         self._validate(prompt, images, [])
-        token_ids: list[int] = self.tokenizer([self._expanded(prompt)])["input_ids"][0]
+        token_ids: list[int] = self.tokenizer([self._expanded(prompt, [0] * len(images))])["input_ids"][0]
         self._check_length(len(token_ids), max_tokens)
         tokens = int(self.config.mm_tokens_per_image)
         media = [MediaItem(IMAGE, {}, tokens, image.content_hash, encoded=image) for image in images]
         return PreparedPrompt(prompt_token_ids=list(token_ids), media=media, prompt=prompt)
 
 
+ADAPTER = Gemma3Adapter
+
+
 def _pixels_hash(pixels: torch.Tensor) -> str:
     return hashlib.sha256(pixels.contiguous().numpy().tobytes()).hexdigest()
-
-
-ADAPTER = Gemma3Adapter
