@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from engine_harness import build_requests, gemma3_prompt, hf_greedy, make_image, run_greedy
+from engine_harness import assert_greedy_matches_transformers, build_requests, gemma3_prompt, hf_greedy, make_image
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -39,19 +39,11 @@ def small_engine(adapter, budget: int = BUDGET) -> PagedEngine:
                                              max_num_seqs=6, max_num_batched_tokens=budget, min_admission_batch=1))
 
 
-def assert_matches_transformers(adapter, hf_model, count: int, seed: int) -> PagedEngine:
-    engine = small_engine(adapter)
+def assert_matches_transformers(adapter, hf_model, count: int, seed: int) -> None:
     requests = build_requests(adapter, "gemma3", count, seed=seed, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
-    prepared, outputs = run_greedy(engine, adapter, requests)
-    assert sorted(outputs) == sorted(prepared)
-    window = hf_model.config.text_config.sliding_window
-    for request_id, (prompt, max_tokens) in prepared.items():
-        assert prompt.num_tokens > window
-        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
-    stats = engine.stats
-    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
-    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
-    return engine
+    prepared = assert_greedy_matches_transformers(small_engine(adapter), adapter, hf_model, requests)
+    assert all(prompt.num_tokens > hf_model.config.text_config.sliding_window for prompt, _ in prepared.values())
+    assert {len(images) for _, _, images, _, _ in requests} == {0, 1, 2, 3}
 
 
 def test_mixed_requests_match_transformers(gemma3):
