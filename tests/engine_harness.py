@@ -1,7 +1,7 @@
 """Shared by the engine and family tests: mixed requests of every kind, and the transformers reference.
 
 Requests mix text-only prompts, one to `max_images` images of odd sizes (some shared, so
-the encoder cache hits), a video (Qwen families, InternVL) and exact repeats (so the prefix cache
+the encoder cache hits), a video (Qwen, InternVL and SmolVLM families) and exact repeats (so the prefix cache
 hits); `hf_greedy` is what `transformers` `generate()` gives for the same prepared prompt.
 """
 
@@ -50,16 +50,27 @@ def internvl_prompt(text: str, num_images: int, with_video: bool) -> str:
     return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{media}{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-PROMPTS = {"internvl": internvl_prompt, "gemma3": gemma3_prompt}  # families whose prompts are neither Qwen's nor LLaVA's
-VIDEO_FAMILIES = ("qwen", "internvl")
+def idefics3_prompt(text: str, num_images: int, with_video: bool) -> str:
+    media = "<image>" * num_images + ("<video>" if with_video else "")
+    return f"User:{SYSTEM} {media}{text}<end_of_utterance>\nAssistant:"
+
+
+def smolvlm_prompt(text: str, num_images: int, with_video: bool) -> str:
+    return "<|im_start|>" + idefics3_prompt(text, num_images, with_video)
+
+
+PROMPTS = {"qwen": qwen_prompt, "llava": llava_prompt, "internvl": internvl_prompt, "idefics3": idefics3_prompt,
+           "smolvlm": smolvlm_prompt, "gemma3": gemma3_prompt}
+VIDEO_FAMILIES = ("qwen", "internvl", "smolvlm")
+VIDEO_ALONE = ("smolvlm",)  # its prompts take images or videos, not both
 
 
 def build_requests(adapter, family: str, count: int, seed: int, max_images: int = 2,
                    widths: tuple[int, ...] = (40, 56, 90, 112), heights: tuple[int, ...] = (40, 56, 84)):
-    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen, InternVL), repeats."""
+    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen, InternVL, SmolVLM), repeats."""
     rng = random.Random(seed)
     images = [make_image(i, (rng.choice(widths), rng.choice(heights))) for i in range(4)]
-    make_prompt = PROMPTS.get(family) or (qwen_prompt if family.startswith("qwen") else llava_prompt)
+    make_prompt = next(builder for prefix, builder in PROMPTS.items() if family.startswith(prefix))
     requests = []
     for i in range(count):
         if i % 10 == 9:  # an exact repeat: its whole prefix is cached
@@ -67,6 +78,8 @@ def build_requests(adapter, family: str, count: int, seed: int, max_images: int 
             continue
         num_images = rng.choice([0, 1, *range(1, max_images + 1)])
         with_video = family.startswith(VIDEO_FAMILIES) and i % 10 == 4
+        if with_video and family.startswith(VIDEO_ALONE):
+            num_images = 0
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
         chosen = [images[rng.randrange(len(images))] for _ in range(num_images)]
         videos = [make_video(i)] if with_video else []

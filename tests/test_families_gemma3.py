@@ -142,34 +142,31 @@ def _run(engine):
 IMAGE_PROMPT = "<start_of_turn>user\n<start_of_image>Describe it.<end_of_turn>\n<start_of_turn>model\n"
 
 
+@pytest.fixture(scope="module")
+def media_folder(tmp_path_factory):
+    from family_harness import make_media_folder
+
+    folder = make_media_folder(tmp_path_factory.mktemp("gemma3-media"))
+    make_image(2, (40, 150)).save(folder / "tall.png")
+    return folder
+
+
 @pytest.mark.slow
-def test_a_job_with_images_chat_and_bad_rows_completes(tiny_model_dir, tmp_path):
+def test_a_job_with_images_chat_and_bad_rows_completes(tiny_model_dir, media_folder, tmp_path):
     """Through `vlmbatch submit` (dry run, then the job): images, a chat row, and rows the
     family refuses (a video; a prompt without its image's placeholder) as per-row errors."""
-    import duckdb
-    from test_submit_e2e import vlmbatch
+    from family_harness import run_job
 
-    make_image(1, (97, 61)).save(tmp_path / "odd.png")
-    make_image(2, (40, 150)).save(tmp_path / "tall.png")
+    odd, tall = str(media_folder / "odd.png"), str(media_folder / "tall.png")
     rows = [
-        {"id": "image", "prompt": IMAGE_PROMPT, "image": str(tmp_path / "odd.png")},
-        {"id": "two", "prompt": IMAGE_PROMPT.replace("<start_of_image>", "<start_of_image>" * 2),
-         "images": [str(tmp_path / "odd.png"), str(tmp_path / "tall.png")]},
+        {"id": "image", "prompt": IMAGE_PROMPT, "image": odd},
+        {"id": "two", "prompt": IMAGE_PROMPT.replace("<start_of_image>", "<start_of_image>" * 2), "images": [odd, tall]},
         {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": str(tmp_path / "tall.png")}}, {"type": "text", "text": "What?"}]}]},
-        {"id": "video", "prompt": "<start_of_turn>user\nWhat happens?<end_of_turn>\n", "video": str(tmp_path / "odd.png")},
-        {"id": "no-placeholder", "prompt": "<start_of_turn>user\nHi<end_of_turn>\n", "image": str(tmp_path / "odd.png")},
+            {"type": "image_url", "image_url": {"url": tall}}, {"type": "text", "text": "What?"}]}]},
+        {"id": "video", "prompt": "<start_of_turn>user\nWhat happens?<end_of_turn>\n", "video": str(media_folder / "h264_mp4.mp4")},
+        {"id": "no-placeholder", "prompt": "<start_of_turn>user\nHi<end_of_turn>\n", "image": odd},
     ]
-    dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model = str(tiny_model_dir("gemma3"))
-    env = {"VLMBATCH_PREPROCESS_WORKERS": "0"}
-    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env=env)
-    assert dry.returncode == 1 and "placeholder_mismatch" in dry.stdout + dry.stderr, dry.stderr[-2000:]
-    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4", env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = tmp_path / "out" / done.stdout.split()[0] / "results"
-    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
+    by_id = run_job(rows, str(tiny_model_dir("gemma3")), tmp_path, "placeholder_mismatch")
     assert by_id["video"]["error_type"] == "unsupported_media"
     assert by_id["no-placeholder"]["error_type"] == "placeholder_mismatch"
     for key in ("image", "two", "chat"):
@@ -178,24 +175,19 @@ def test_a_job_with_images_chat_and_bad_rows_completes(tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow
-def test_serve_answers_images(tiny_model_dir, tmp_path):
-    import openai
+def test_serve_answers_images(tiny_model_dir, media_folder):
+    from family_harness import ask, media_parts, served_client
 
-    from server_harness import data_url
-    from vlmbatch.testing.server_process import ServerProcess
-
-    make_image(1, (97, 61)).save(tmp_path / "odd.png")
     model = str(tiny_model_dir("gemma3"))
-    with ServerProcess(["--model", model]) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        image = {"type": "image_url", "image_url": {"url": data_url((tmp_path / "odd.png").read_bytes())}}
+    image, _ = media_parts(media_folder)
+    with served_client(model, media_folder) as client:
         for parts in ([image], [image, image]):
-            reply = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
-                max_tokens=3, temperature=0,
-            )
+            reply = ask(client, model, *parts)
             assert reply.choices[0].finish_reason in ("stop", "length")
             assert reply.usage.prompt_tokens > 20 * len(parts)
+        crops = ask(client, model, image, extra_body={"mm_processor_kwargs": {"do_pan_and_scan": True,
+                                                                               "pan_and_scan_min_crop_size": 16}})
+        assert crops.usage.prompt_tokens > ask(client, model, image).usage.prompt_tokens  # odd.png is wide: crops
 
 
 GEMMA_TRITON_SCRIPT = r"""

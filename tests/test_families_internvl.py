@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_harness import (assert_greedy_matches_transformers, build_requests, hf_greedy, internvl_prompt, make_image,
                             make_video, run_to_completion)
-from test_families_qwen3_vl import media_folder  # noqa: F401  (a video, odd.png of 97x61, corrupt.png)
+from family_harness import ask, make_media_folder, media_parts, run_job, served_client
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -145,17 +145,17 @@ def test_llm_takes_processor_options_per_prompt(tiny_model_dir):
         llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}, "mm_processor_kwargs": {"tiles": 1}}, greedy)
 
 
+@pytest.fixture(scope="module")
+def media_folder(tmp_path_factory):
+    return make_media_folder(tmp_path_factory.mktemp("internvl-media"))
+
+
 IMAGE_PROMPT = "<|im_start|>user\n<IMG_CONTEXT>\nDescribe it.<|im_end|>\n<|im_start|>assistant\n"
 VIDEO_PROMPT = "<|im_start|>user\n<video>\nWhat happens?<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.mark.slow
 def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir, media_folder, tmp_path):
-    import json
-
-    import duckdb
-    from test_submit_e2e import vlmbatch
-
     odd = str(media_folder / "odd.png")
     rows = [
         {"id": "image", "prompt": IMAGE_PROMPT, "image": odd},
@@ -167,17 +167,7 @@ def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir,
         {"id": "bad-option", "prompt": IMAGE_PROMPT, "image": odd, "mm_processor_kwargs": {"tiles": 3}},
         {"id": "corrupt", "prompt": IMAGE_PROMPT, "image": str(media_folder / "corrupt.png")},
     ]
-    dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model = str(tiny_model_dir("internvl"))
-    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
-    assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
-    assert "invalid_row" in dry.stdout + dry.stderr
-    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4",
-                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = tmp_path / "out" / done.stdout.split()[0] / "results"
-    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
+    by_id = run_job(rows, str(tiny_model_dir("internvl")), tmp_path, "media_decode_error")
     assert by_id["corrupt"]["error_type"] == "media_decode_error"
     assert by_id["bad-option"]["error_type"] == "invalid_row" and "tiles" in by_id["bad-option"]["error"]
     for key in ("image", "one-tile", "video", "chat"):
@@ -191,27 +181,17 @@ def test_a_job_with_tiling_options_videos_and_bad_rows_completes(tiny_model_dir,
 def test_serve_answers_images_and_videos_with_tiling_options(tiny_model_dir, media_folder):
     import openai
 
-    from server_harness import data_url
-    from vlmbatch.testing.server_process import ServerProcess
-
     model = str(tiny_model_dir("internvl"))
-    args = ["--model", model, "--allowed-local-media-path", str(media_folder), "--media-io-kwargs", '{"video": {"num_frames": 4}}']
-    image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "odd.png").read_bytes())}}
-    video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
-    with ServerProcess(args) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-
-        def ask(*parts, **extra):
-            messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
-            return client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, **extra)
-
-        both = ask(image, video)
+    image, video = media_parts(media_folder)
+    with served_client(model, media_folder) as client:
+        both = ask(client, model, image, video)
         assert both.choices[0].finish_reason in ("stop", "length")
-        tiled, one_tile = ask(image), ask(image, extra_body={"mm_processor_kwargs": {"max_patches": 1}})
+        tiled = ask(client, model, image)
+        one_tile = ask(client, model, image, extra_body={"mm_processor_kwargs": {"max_patches": 1}})
         assert both.usage.prompt_tokens - tiled.usage.prompt_tokens >= 4 * TOKENS_PER_TILE  # a tile a frame
         assert tiled.usage.prompt_tokens - one_tile.usage.prompt_tokens == 6 * TOKENS_PER_TILE
         with pytest.raises(openai.BadRequestError, match="mm_processor_kwargs"):
-            ask(image, extra_body={"mm_processor_kwargs": {"max_dynamic_patch": 1}})
+            ask(client, model, image, extra_body={"mm_processor_kwargs": {"max_dynamic_patch": 1}})
 
 
 def test_the_8b_bench_folder_keeps_the_published_sizes_and_tokens(tmp_path):

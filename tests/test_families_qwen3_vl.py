@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import assert_greedy_matches_transformers, build_requests, make_image, make_video, qwen_prompt
+from engine_harness import assert_greedy_matches_transformers, build_requests, make_video, qwen_prompt
+from family_harness import ask, make_media_folder, media_parts, run_job, served_client
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -58,24 +59,11 @@ IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Des
 
 @pytest.fixture(scope="module")
 def media_folder(tmp_path_factory):
-    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
-
-    if not ffmpeg_available():
-        pytest.skip("needs ffmpeg to make the test video")
-    folder = tmp_path_factory.mktemp("qwen3-media")
-    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
-    make_image(1, (97, 61)).save(folder / "odd.png")
-    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
-    return folder
+    return make_media_folder(tmp_path_factory.mktemp("qwen3-media"))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_vl_moe"])
 def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, media_folder, tmp_path):
-    import json
-
-    import duckdb
-    from test_submit_e2e import vlmbatch
-
     rows = [
         {"id": "image", "prompt": IMAGE_PROMPT, "image": str(media_folder / "odd.png")},
         {"id": "video", "prompt": VIDEO_PROMPT, "video": str(media_folder / "h264_mp4.mp4")},
@@ -86,16 +74,7 @@ def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, 
             {"type": "text", "text": "What happens?"}]}]},
         {"id": "corrupt", "prompt": IMAGE_PROMPT, "image": str(media_folder / "corrupt.png")},
     ]
-    dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model = str(tiny_model_dir(arch))
-    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
-    assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
-    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4",
-                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = tmp_path / "out" / done.stdout.split()[0] / "results"
-    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
+    by_id = run_job(rows, str(tiny_model_dir(arch)), tmp_path, "media_decode_error")
     assert by_id["corrupt"]["error_type"] == "media_decode_error"
     for key in ("image", "video", "video-2-frames", "chat"):
         assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]
@@ -103,20 +82,9 @@ def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, 
 
 
 def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
-    import openai
-
-    from server_harness import data_url
-    from vlmbatch.testing.server_process import ServerProcess
-
     model = str(tiny_model_dir("qwen3_vl_moe"))
-    args = ["--model", model, "--allowed-local-media-path", str(media_folder), "--media-io-kwargs", '{"video": {"num_frames": 4}}']
-    with ServerProcess(args) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "odd.png").read_bytes())}}
-        video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
+    image, video = media_parts(media_folder)
+    with served_client(model, media_folder) as client:
         for parts in ([image], [video], [image, video]):
-            reply = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
-                max_tokens=3, temperature=0,
-            )
+            reply = ask(client, model, *parts)
             assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 20

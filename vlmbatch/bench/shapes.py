@@ -33,7 +33,7 @@ class ModelShape:
     top: dict[str, Any] = field(default_factory=dict)  # top-level config values
     image_processor: dict[str, Any] = field(default_factory=dict)  # image processor values (`size` bounds, patch...)
     video_processor: dict[str, Any] = field(default_factory=dict)  # video processor values (InternVL: frame size)
-    processor: dict[str, Any] = field(default_factory=dict)  # processor values (InternVL: tokens a tile)
+    processor: dict[str, Any] = field(default_factory=dict)  # processor values (InternVL: tokens a tile; SmolVLM: `image_seq_len`)
     text_json_extra: dict[str, Any] = field(default_factory=dict)  # written into config.json's text_config for older readers
     source: str = ""
 
@@ -73,6 +73,13 @@ _INTERNVL3_8B = dict(
                      "image_std": [0.229, 0.224, 0.225]},
     processor={"image_seq_length": 256},
 )
+# SmolVLM2-2.2B: SigLIP-SO400M on 384 px tiles (27 x 27 patches of 14 px), a 3x3 pixel
+# shuffle (81 tokens a tile), SmolLM2-1.7B with its context stretched to 16k (RoPE base
+# 273768). The published processor upscales images to a longest edge of 1536 px and splits
+# them into 384 px tiles (448x448: 4x4 tiles + the global image, 1,377 tokens, which no
+# 288-token prompt holds); W1 here bounds the longest edge to one tile, so a 448x448 image is
+# the global tile alone (84 tokens with its markers) on every engine.
+_SMOLVLM_IMAGE = {"size": {"longest_edge": 384}, "max_image_size": {"longest_edge": 384}}
 # Gemma 3: five sliding-window layers (window 1024, local RoPE base 1e4) per global one
 # (base 1e6, linear scaling 8); `layer_types` is this pattern, repeated to the depth.
 _GEMMA3_TEXT = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208, rms_norm_eps=1e-6,
@@ -117,6 +124,19 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                source="the tiny InternVL3 test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("internvl3_8b", "internvl", "InternVLForConditionalGeneration", **_INTERNVL3_8B,
                source="OpenGVLab/InternVL3-8B-hf config.json and processor"),
+    ModelShape("tiny_smolvlm", "smolvlm", "SmolVLMForConditionalGeneration",
+               source="the tiny SmolVLM test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("smolvlm2_2b", "smolvlm", "SmolVLMForConditionalGeneration",
+               text=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                         num_key_value_heads=32, head_dim=64, vocab_size=49280, max_position_embeddings=16384,
+                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 273768.0},
+                         tie_word_embeddings=False),
+               vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           patch_size=14, image_size=384),
+               top={"scale_factor": 3, "tie_word_embeddings": False}, image_processor=_SMOLVLM_IMAGE,
+               processor={"image_seq_len": 81},
+               source="HuggingFaceTB/SmolVLM2-2.2B-Instruct config.json (SmolVLM paper: SigLIP-SO400M + SmolLM2-1.7B, "
+                      "RoPE base 273k, 16k context); W1's image bound above"),
     ModelShape("tiny_gemma3", "gemma3", "Gemma3ForConditionalGeneration",
                source="the tiny Gemma 3 test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("gemma3_12b", "gemma3", "Gemma3ForConditionalGeneration",

@@ -177,14 +177,8 @@ class ProcessorAdapter(ModelAdapter):
                 param="prompt",
             )
 
-    def check(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-        processor_kwargs: dict[str, Any] | None = None,
-    ) -> int:
+    def check(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+              max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> int:
         """`prepare`'s checks and token count without pixel preprocessing (dry runs): each
         image's token count comes from its size, through the processor's own formula."""
         images, videos = list(images or []), list(videos or [])
@@ -210,9 +204,12 @@ class ProcessorAdapter(ModelAdapter):
         cache = self.__dict__.setdefault("_image_token_cache", {})
         key = (height, width, json.dumps(processor_kwargs or {}, sort_keys=True, default=str))
         if key not in cache:
-            counts = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)], **(processor_kwargs or {}))
-            cache[key] = counts.num_image_tokens[0]
+            cache[key] = self._count_image_tokens(height, width, processor_kwargs or {})
         return cache[key]
+
+    def _count_image_tokens(self, height: int, width: int, processor_kwargs: dict[str, Any]) -> int:
+        """What one image's placeholder expands to, in tokens (the processor's own formula)."""
+        return self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)], **processor_kwargs).num_image_tokens[0]
 
     def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
         """`prepare` for images the engine will decode: the same token ids, counted from each
@@ -246,14 +243,8 @@ class ProcessorAdapter(ModelAdapter):
         override this instead of `media_items`."""
         return self.media_items(processed, hashes)
 
-    def prepare(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-        processor_kwargs: dict[str, Any] | None = None,
-    ) -> PreparedPrompt:
+    def prepare(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+                max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
         images, videos, processor_kwargs = list(images or []), list(videos or []), dict(processor_kwargs or {})
         self._validate(prompt, images, videos, processor_kwargs)
         try:

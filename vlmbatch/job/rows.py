@@ -9,11 +9,12 @@ so the dry-run, the shard runner and the preprocessing pool all share it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.structured.spec import parse_structured_output, resolve
 
 SAMPLING_OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
@@ -78,6 +79,15 @@ def sampling_for_row(raw: dict[str, Any], defaults: SamplingParams) -> SamplingP
         raise RowError(ErrorType.INVALID_ROW, f"bad sampling override: {exc}")
 
 
+def structured_for_row(raw: dict[str, Any], sampling: SamplingParams) -> SamplingParams:
+    """The row's own `response_format` / `guided_*` over the job's spec (`defaults`' one):
+    row > job > default; a row's `{"type": "text"}` runs it unconstrained."""
+    row_spec = parse_structured_output(raw)
+    if row_spec is None:
+        return sampling
+    return replace(sampling, structured_output=resolve(row_spec, sampling.structured_output))
+
+
 def parse_row(row_id: int, raw: dict[str, Any], columns: Any, defaults: SamplingParams) -> RowRequest:
     """Validate `raw` against the column mapping `columns` (an `io.readers.ColumnMap`)."""
     if not isinstance(raw, dict):
@@ -110,7 +120,7 @@ def parse_row(row_id: int, raw: dict[str, Any], columns: Any, defaults: Sampling
         messages=messages,
         image_refs=images,
         video_refs=videos,
-        sampling=sampling_for_row(raw, defaults),
+        sampling=structured_for_row(raw, sampling_for_row(raw, defaults)),
         media_io_kwargs=media_io_kwargs,
         mm_processor_kwargs=mm_processor_kwargs,
     )
