@@ -72,21 +72,38 @@ def parse_json_option(value: str | None, flag: str) -> dict[str, Any]:
     return parsed
 
 
-def resolve_job_dir(job: str, output: str | Path, storage_options: dict[str, Any] | None = None) -> Any:
-    """A job is named by its id (under --output) or by its folder's path or URL; returns
-    a `Path` or an `ObjectPath` (`vlmbatch.io.storage`)."""
+def resolve_job_dir(job: str, output: str | Path, storage_options: dict[str, Any] | None = None,
+                    broker: str | None = None) -> Any:
+    """A job is named by its folder's path or URL, by its id under --output, or, with a
+    broker, by its bare id wherever it lies (submit recorded its folder in Redis). Returns a
+    `Path` or an `ObjectPath` (`vlmbatch.io.storage`); the error says every place it looked."""
+    import redis
+
     from vlmbatch.errors import JobError
     from vlmbatch.io.storage import resolve
+    from vlmbatch.job.queue import recorded_job_dir
 
+    looked = []
     try:
-        candidate = resolve(job, storage_options)
-        under = resolve(output, storage_options) / job
-        for folder in (candidate, under):
+        for folder in (resolve(job, storage_options), resolve(output, storage_options) / job):
+            looked.append(f"{folder}/manifest.json")
             if (folder / "manifest.json").exists():
                 return folder
+        if broker:
+            recorded = recorded_job_dir(job, broker)
+            if recorded is None:
+                looked.append(f"the broker {broker} (it has no job {job!r})")
+            else:
+                folder = resolve(recorded, storage_options)
+                looked.append(f"{folder}/manifest.json (the folder the broker {broker} recorded)")
+                if (folder / "manifest.json").exists():
+                    return folder
+    except redis.RedisError as exc:
+        raise typer.BadParameter(f"cannot look up job {job!r} on the broker {broker}: {exc}", param_hint="JOB")
     except (JobError, OSError) as exc:
         raise typer.BadParameter(f"cannot look for job {job!r}: {exc}", param_hint="JOB")
-    raise typer.BadParameter(f"no job {job!r} (looked for {candidate}/manifest.json and {under}/manifest.json)", param_hint="JOB")
+    hint = "" if broker else "; with --broker (or VLMBATCH_BROKER_URL) a bare job id is looked up there too"
+    raise typer.BadParameter(f"no job {job!r}: looked for {'; '.join(looked)}{hint}", param_hint="JOB")
 
 
 def engine_config(**flags: Any) -> EngineConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -16,6 +16,7 @@ from vlmbatch.cli.options import (
     EngineOption,
     MediaIoKwargsOption,
     ModelOption,
+    StorageOptionsOption,
     engine_config,
     parse_json_option,
 )
@@ -78,6 +79,11 @@ def serve(
         None, "--allowed-media-networks",
         help="CIDRs exempt from the private-address guard, e.g. an internal image store (repeatable or comma-separated).",
     ),
+    allowed_media_buckets: Optional[list[str]] = typer.Option(
+        None, "--allowed-media-buckets",
+        help="Object-storage buckets whose s3:// media URLs may be read (repeatable or comma-separated); none by default.",
+    ),
+    storage_options: Optional[str] = StorageOptionsOption,
     max_media_bytes: int = typer.Option(DEFAULT_MAX_MEDIA_BYTES, "--max-media-bytes", min=1, help="Size cap of one media download."),
     max_image_pixels: int = typer.Option(
         DEFAULT_MAX_IMAGE_PIXELS, "--max-image-pixels", min=1, help="Images with more pixels are refused before decoding."
@@ -123,6 +129,7 @@ def serve(
         max_media_bytes=max_media_bytes,
         max_image_pixels=max_image_pixels,
         media=media,
+        object_media=_object_media(allowed_media_buckets, storage_options),
     )
     try:
         prepare_video_backend(parse_video_options(settings.media_io_kwargs.get("video"), default_video_options(media)))
@@ -133,6 +140,14 @@ def serve(
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _object_media(buckets: list[str] | None, storage_options: str | None) -> Any:
+    """The s3:// media reader of the allowed buckets (None: no bucket allowed)."""
+    from vlmbatch.io.storage import ObjectMedia
+
+    allowed = _items(buckets)
+    return ObjectMedia(parse_json_option(storage_options, "--storage-options"), allowed) if allowed else None
 
 
 def register(app: typer.Typer) -> None:

@@ -229,6 +229,12 @@ class WorkerConfig(Options):
     pin_worker_cpus: bool = option(True, "VLMBATCH_PIN_WORKER_CPUS", help="run each GPU process only on its share of the cores")
     gpu_media_budget_mb: int = option(4096, "VLMBATCH_GPU_MEDIA_BUDGET_MB",
                                       help="MB of decoded media that rows in flight may hold on the GPU")
+    storage_options: dict[str, Any] | None = option(None, "VLMBATCH_STORAGE_OPTIONS", parse=json.loads,
+                                                    help="options of s3:// (fsspec) job folders and datasets, over the "
+                                                    "AWS configuration (`--storage-options`)")
+    metrics_port: int | None = option(None, "VLMBATCH_METRICS_PORT", parse=_optional(int),
+                                      help="Prometheus port of a `vlmbatch worker`'s first GPU process (the next "
+                                      "slots take the next ports); unset: no metrics endpoint")
 
     def __post_init__(self) -> None:
         if self.worker_cpus is not None and not isinstance(self.worker_cpus, frozenset):
