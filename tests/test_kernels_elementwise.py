@@ -96,25 +96,19 @@ def test_rotary_matches_reference(dtype):
         torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
 
 
-def test_rms_norm_reference_is_hugging_faces_norm():
-    hidden = 64
-    layer = Qwen2RMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(9)))
-        x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-        assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6), layer(x))
-
-
-def test_offset_rms_norm_reference_is_gemmas_norm():
+@pytest.mark.parametrize("offset", [False, True], ids=["qwen2", "gemma3"])
+def test_rms_norm_reference_is_hugging_faces_norm(offset):
+    """Qwen2's norm (the weight times the rounded normalised value), or with `offset`
+    Gemma 3's ((1 + w) in fp32, one rounding): each equals its own, not the other."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
     hidden = 64
-    layer = Gemma3RMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
+    layer = (Gemma3RMSNorm if offset else Qwen2RMSNorm)(hidden, eps=1e-6).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(9)))
         x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-        assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6, offset=True), layer(x))
-        assert not torch.equal(rms_norm_ref(x, layer.weight, 1e-6), layer(x))
+        assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6, offset=offset), layer(x))
+        assert not torch.equal(rms_norm_ref(x, layer.weight, 1e-6, offset=not offset), layer(x))
 
 
 def test_rotary_reference_with_gathered_mrope_cos_sin_is_hugging_faces_mrope():
