@@ -44,6 +44,20 @@ AttentionBackendOption = typer.Option(
     help="Paged attention kernels: auto (triton on CUDA, torch on the CPU), triton, torch or flash-attn. "
     "Unset: VLMBATCH_ATTENTION_BACKEND, else auto.",
 )
+QuantizationOption = typer.Option(
+    None, "--quantization",
+    help="fp8: quantize the language model's bf16 weights at load (per output channel, dynamic per-token activations); "
+    "none. A checkpoint's own FP8 quantization_config always applies. Unset: VLMBATCH_QUANTIZATION, else none.",
+)
+QuantizeVisionOption = typer.Option(
+    None, "--quantize-vision",
+    help="With --quantization fp8: the vision tower's linear layers too. Unset: VLMBATCH_QUANTIZE_VISION, else off.",
+)
+KvCacheDtypeOption = typer.Option(
+    None, "--kv-cache-dtype",
+    help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale 1: twice the tokens of bf16). "
+    "Unset: VLMBATCH_KV_CACHE_DTYPE, else auto.",
+)
 StorageOptionsOption = typer.Option(
     None,
     "--storage-options",

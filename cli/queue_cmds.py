@@ -8,6 +8,9 @@ import typer
 from rich.console import Console
 
 from vlmbatch.cli.options import (
+    KvCacheDtypeOption,
+    QuantizationOption,
+    QuantizeVisionOption,
     AttentionBackendOption,
     BrokerOption,
     DtypeOption,
@@ -44,6 +47,9 @@ def worker(
     engine: str = EngineOption,
     dtype: str = DtypeOption,
     attention_backend: Optional[str] = AttentionBackendOption,
+    quantization: Optional[str] = QuantizationOption,
+    quantize_vision: Optional[bool] = QuantizeVisionOption,
+    kv_cache_dtype: Optional[str] = KvCacheDtypeOption,
     media_io_kwargs: Optional[str] = MediaIoKwargsOption,
     dry_run: bool = typer.Option(False, "--dry-run", hidden=True, help="Validate rows without a model (queue benchmark)."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
@@ -74,7 +80,8 @@ def worker(
     try:  # every process of this worker gets these; a wrong flag or variable is named here, once
         configs = ProcessConfigs(
             engine=EngineConfig.from_env(os.environ, engine=engine, dtype=dtype, attention_backend=attention_backend,
-                                         gpu_image_decode=gpu_image_decode),
+                                         gpu_image_decode=gpu_image_decode, quantization=quantization,
+                                         quantize_vision=quantize_vision, kv_cache_dtype=kv_cache_dtype),
             media=MediaConfig.from_env(os.environ, video_options=media.get("video")),
             queue=QueueConfig.from_env(os.environ),
             worker=WorkerConfig.from_env(os.environ, storage_options=parse_json_option(storage_options, "--storage-options") or None,

@@ -10,6 +10,9 @@ import typer
 from rich.console import Console
 
 from vlmbatch.cli.options import (
+    KvCacheDtypeOption,
+    QuantizationOption,
+    QuantizeVisionOption,
     AttentionBackendOption,
     DeviceOption,
     DtypeOption,
@@ -93,6 +96,9 @@ def serve(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
     attention_backend: Optional[str] = AttentionBackendOption,
+    quantization: Optional[str] = QuantizationOption,
+    quantize_vision: Optional[bool] = QuantizeVisionOption,
+    kv_cache_dtype: Optional[str] = KvCacheDtypeOption,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve MODEL behind an OpenAI-compatible /v1/chat/completions (images and videos)."""
@@ -109,7 +115,8 @@ def serve(
     from vlmbatch.server.settings import ServerSettings
 
     console = Console(stderr=True)
-    config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend)
+    config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
+                           quantization=quantization, quantize_vision=quantize_vision, kv_cache_dtype=kv_cache_dtype)
     try:
         media = MediaConfig.from_env(os.environ)
     except JobError as exc:  # a bad VLMBATCH_* value, named

@@ -9,6 +9,9 @@ import typer
 from rich.console import Console
 
 from vlmbatch.cli.options import (
+    KvCacheDtypeOption,
+    QuantizationOption,
+    QuantizeVisionOption,
     AttentionBackendOption,
     BrokerOption,
     DeviceOption,
@@ -61,6 +64,9 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
     attention_backend: Optional[str] = AttentionBackendOption,
+    quantization: Optional[str] = QuantizationOption,
+    quantize_vision: Optional[bool] = QuantizeVisionOption,
+    kv_cache_dtype: Optional[str] = KvCacheDtypeOption,
     storage_options: Optional[str] = StorageOptionsOption,
     response_format: Optional[str] = typer.Option(
         None, "--response-format",
@@ -116,7 +122,8 @@ def submit(
     template = Path(chat_template).read_text() if chat_template else None
     # Checked before anything is written (a typo in --gpu-image-decode fails here).
     config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
-                           gpu_image_decode=gpu_image_decode)
+                           gpu_image_decode=gpu_image_decode, quantization=quantization, quantize_vision=quantize_vision,
+                           kv_cache_dtype=kv_cache_dtype)
     try:
         structured = structured_output_option(parse_json_option(response_format, "--response-format"), json_schema)
         media_config, worker_config = MediaConfig.from_env(os.environ), WorkerConfig.from_env(os.environ)

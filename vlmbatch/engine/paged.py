@@ -38,7 +38,9 @@ from vlmbatch.engine.base import Engine, EngineLoad
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import choose_kernels
-from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
+from vlmbatch.engine.dummy_weights import dummy_hf_model
+from vlmbatch.engine.fp8_loading import Fp8Load, read_fp8_weights
+from vlmbatch.engine.loading import load_hf_model, quantization_scheme, resolve_device, resolve_dtype
 from vlmbatch.engine.multimodal import place_media
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vlmbatch.engine.runner import ModelRunner, PendingTokens
@@ -47,7 +49,7 @@ from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
 from vlmbatch.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from vlmbatch.engine.stopping import IncrementalDetokenizer, find_stop
 from vlmbatch.engine.structured_decoding import StructuredDecoding
-from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.families.prompt import PreparedPrompt
 
@@ -109,15 +111,24 @@ class PagedEngine(Engine):
         max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         backend_name, backend_reason = resolve_backend(config.attention_backend, device)
         kernels = choose_kernels(config, device, backend_name)
-        if hf_model is None:
-            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
+        if config.kv_cache_dtype == "fp8" and backend_name == "flash-attn":
+            raise JobError("kv_cache_dtype fp8 runs with the triton or torch attention backend, not flash-attn")
+        scheme = quantization_scheme(adapter.model_path, config.quantization, config.quantize_vision, config.trust_remote_code)
+        dummy = config.load_format == "dummy"
+        prequantized = scheme is not None and scheme.prequantized and not dummy
+        if hf_model is None and dummy:
+            hf_model = dummy_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
+        elif hf_model is None:
+            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code, raw_fp8=prequantized)
         image_decoder = EncodedImageDecoder(adapter.model_path, device)
-        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder)
+        fp8 = Fp8Load(scheme, read_fp8_weights(adapter.model_path, scheme) if prequantized else None) if scheme else None
+        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder, fp8, dummy)
         self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.num_kv_blocks, config.gpu_memory_utilization, config.enforce_eager,
             frozenset(adapter.eos_token_ids),
+            torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
@@ -136,10 +147,12 @@ class PagedEngine(Engine):
         self.decodes_images_on_gpu = device.type == "cuda"
         self._in_flight: _InFlight | None = None
         kv_gib = self.runner.num_kv_blocks * self.runner.block_bytes / 2**30
-        log.info("paged engine: %s on %s in %s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
-                 "(%.1f GiB, %s); max %d sequences, %d tokens per step; %s decoding",
-                 adapter.family.name, device, str(dtype).removeprefix("torch."), backend_name, backend_reason,
-                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib,
+        log.info("paged engine: %s on %s in %s%s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
+                 "(%.1f GiB %s, %s); max %d sequences, %d tokens per step; %s decoding",
+                 adapter.family.name, device, str(dtype).removeprefix("torch."),
+                 f", weights {scheme.describe()}{'' if kernels.fp8 else ' dequantized (no FP8 GEMMs here)'}" if scheme else "",
+                 backend_name, backend_reason,
+                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib, str(self.runner.kv_dtype).removeprefix("torch."),
                  "as configured" if config.num_kv_blocks else "sized from free memory", max_num_seqs,
                  config.max_num_batched_tokens, "asynchronous" if self.async_decode else "awaited")
 

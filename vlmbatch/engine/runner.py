@@ -46,8 +46,11 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         eos_token_ids: frozenset[int] = frozenset(),
+        kv_cache_dtype: torch.dtype | None = None,
     ):
-        """`eos_token_ids`: what `min_tokens` keeps from being drawn too early."""
+        """`eos_token_ids`: what `min_tokens` keeps from being drawn too early. `kv_cache_dtype`:
+        the KV cache's element type (None: the model's; float8_e4m3fn for `--kv-cache-dtype fp8`,
+        half the bytes per token, so twice the tokens)."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.decoder = model.decoder
@@ -55,10 +58,11 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.kv_dtype = kv_cache_dtype or self.dtype
         self.block_size = block_size
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
         self.num_kv_blocks = num_kv_blocks or self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
-        self.kv_caches = allocate_kv_cache(self.decoder, self.num_kv_blocks + 1, block_size, self.dtype, device)
+        self.kv_caches = allocate_kv_cache(self.decoder, self.num_kv_blocks + 1, block_size, self.kv_dtype, device)
         self.pad_slot = self.num_kv_blocks * block_size  # the spare block
         # Decode batch size -> its CUDA graph; None = the same static buffers run eagerly
         # (`prepare_static_decode(capture=False)`: lets the CPU tests cover the padding logic).
@@ -72,7 +76,7 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return kv_block_bytes(self.decoder, self.block_size, self.dtype)
+        return kv_block_bytes(self.decoder, self.block_size, self.kv_dtype)
 
     def _blocks_from_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
         """What is left of `utilization` x device memory after the weights and the peak of
@@ -81,7 +85,7 @@ class ModelRunner:
         def full_prefill() -> None:
             num_tokens = max_num_batched_tokens
             blocks = (num_tokens + self.block_size - 1) // self.block_size
-            caches = allocate_kv_cache(self.decoder, blocks + 1, self.block_size, self.dtype, self.device)
+            caches = allocate_kv_cache(self.decoder, blocks + 1, self.block_size, self.kv_dtype, self.device)
             meta = self._prefill_metadata_for_warmup(num_tokens, blocks)
             with torch.no_grad():
                 embeds = self.decoder.embed_tokens(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
