@@ -12,7 +12,8 @@ def model_shape_option(default: Any = "qwen2_5_vl_3b") -> Any:
     return typer.Option(
         default, "--model-shape", "--shape",
         help="Model sizes with random weights, from published configs: qwen2_5_vl_3b (alias 3b), qwen2_5_vl_7b (7b), "
-        "tiny (a CPU smoke run); qwen3_vl_8b and qwen3_vl_30b_a3b once their family exists.",
+        "tiny (a CPU smoke run); qwen3_vl_8b and qwen3_vl_30b_a3b once their family exists; gemma3_12b "
+        "(tiny_gemma3 on the CPU).",
     )
 
 

@@ -22,7 +22,7 @@ from .reference import (
     store_kvcache_ref,
 )
 from .norm import rms_norm
-from .activation import fused_silu_and_mul
+from .activation import fused_gelu_tanh_and_mul, fused_silu_and_mul
 from .rotary import apply_rotary, apply_rotary_and_store
 from .skinny_gemm import SkinnyConfig, skinny_linear
 
@@ -35,6 +35,7 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_and_store",
     "apply_rotary_ref",
+    "fused_gelu_tanh_and_mul",
     "fused_silu_and_mul",
     "choose_num_splits",
     "dequantize_fp8_ref",

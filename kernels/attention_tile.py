@@ -64,8 +64,8 @@ def attend_paged_tile(
     """Fold keys `offs_n` into the online-softmax state; returns the new (acc, m_i, l_i).
 
     `score_mask` (broadcastable to `[rows, BLOCK_N]`) marks the allowed (row, key) pairs
-    when APPLY_MASK; every row must have seen one allowed key by its first tile, so the
-    running max never stays -inf.
+    when APPLY_MASK. A row may see no key of a tile (a sliding window's lower edge): its
+    running max then stays -inf and the tile adds nothing, instead of exp2(-inf - -inf).
     """
     k = load_paged_tile(
         k_head_ptr, block_table_row_ptr, offs_n, offs_d, kv_len, stride_k_block, stride_k_slot, PAGE_SIZE, HEAD_DIM
@@ -74,8 +74,11 @@ def attend_paged_tile(
     if APPLY_MASK:
         scores = tl.where(score_mask, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_ref = m_new
+    if APPLY_MASK:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_paged_tile(
         v_head_ptr, block_table_row_ptr, offs_n, offs_d, kv_len, stride_v_block, stride_v_slot, PAGE_SIZE, HEAD_DIM

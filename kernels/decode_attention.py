@@ -5,7 +5,8 @@ head form the M dimension of `tl.dot` (padded to 16 rows, the minimum tile), so 
 key/value tile is read once per KV head and the tensor cores do the arithmetic. Decode is
 bound by reading the cache; when sequences x KV heads are too few to fill the GPU, each
 context is cut into `num_splits` ranges processed in parallel (stage 1) and their partial
-results merged by log-sum-exp weights (stage 2).
+results merged by log-sum-exp weights (stage 2). With a sliding `window` only the last
+`window` keys are read: the splits cut that range, not the whole context.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def _decode_split_kernel(
     lse_ptr,
     scale_log2,
     num_splits,
+    window,
     stride_q_seq,
     stride_q_head,
     stride_k_block,
@@ -97,8 +99,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     context_len = tl.load(context_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    window_start = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)  # the first key the query sees
+    first_tile = (window_start // BLOCK_N) * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len - first_tile, BLOCK_N), num_splits)
+    start = first_tile + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -119,7 +123,7 @@ def _decode_split_kernel(
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = attend_paged_tile(
             q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, end,
-            (offs_n < end)[None, :], scale_log2,
+            ((offs_n < end) & (offs_n >= window_start))[None, :], scale_log2,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
             PAGE_SIZE, HEAD_DIM, True,
         )  # fmt: skip
@@ -184,12 +188,14 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     pdl_max_rows: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
     q `[num_seqs, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`;
     block_tables int32 `[num_seqs, max_blocks]`; context_lens int32 `[num_seqs]` (including
-    this token). num_splits None picks one from the shapes (`choose_num_splits`).
+    this token). num_splits None picks one from the shapes (`choose_num_splits`). `window`
+    > 0: only the last `window` keys (a sliding-window layer).
     """
     config = config or DecodeConfig()
     num_seqs, num_q_heads, head_dim = q.shape
@@ -199,6 +205,8 @@ def paged_decode_attention(
         q = q.contiguous()
     if num_splits is None:
         max_context_len = block_tables.shape[1] * page_size
+        if window:
+            max_context_len = min(max_context_len, window + config.block_n)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, sm_count(q.device), config.block_n)
 
     out = torch.empty_like(q)
@@ -214,7 +222,7 @@ def paged_decode_attention(
         lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, stage1_out, lse,
-        softmax_scale * LOG2_E, num_splits,
+        softmax_scale * LOG2_E, num_splits, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -1,7 +1,8 @@
 """RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
 
 Fusing saves a full read and write of the hidden states per norm; the rounding points
-match Hugging Face's Qwen2/Llama RMSNorm (see `reference.rms_norm_ref`).
+match Hugging Face's Qwen2/Llama RMSNorm (see `reference.rms_norm_ref`), or with `offset`
+Gemma's: the weight applied as (1 + w), in fp32, and one rounding at the end.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     follow_previous(PDL)
@@ -41,16 +43,20 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_residual_out + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, normed * weight, mask=mask)
+    if OFFSET:
+        out = (xf * inv_rms) * (1.0 + weight)
+    else:
+        out = (xf * inv_rms).to(x.dtype).to(tl.float32) * weight
+    tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl_max_rows: int = 0
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl_max_rows: int = 0,
+    offset: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Normalise each row of `x[..., hidden]`; with `residual`, return `(norm(x + residual), x + residual)`.
-    `pdl_max_rows`: see `pdl.pdl_launch`."""
+    `pdl_max_rows`: see `pdl.pdl_launch`; `offset`: Gemma's (1 + weight)."""
     hidden = x.shape[-1]
     x2d = x.reshape(-1, hidden)
     if x2d.stride(-1) != 1:
@@ -67,7 +73,7 @@ def rms_norm(
             x2d, residual2d, weight, out, residual_out,
             x2d.stride(0), residual2d.stride(0), out.stride(0), residual_out.stride(0),
             eps,
-            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, OFFSET=offset,
             num_warps=min(16, max(1, block // 256)), **launch_options(pdl_launch(x2d, pdl_max_rows)),
         )  # fmt: skip
     if residual is None:

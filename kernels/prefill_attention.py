@@ -5,6 +5,12 @@ values are already in the cache, and sequence b's q_len queries are the last q_l
 context_len positions, so query i attends to keys 0..context_len - q_len + i. One program
 handles BLOCK_M queries of one head of one sequence. Keys every query of the tile may see
 are processed without masks; only the tiles along the causal diagonal pay for masking.
+
+Two refinements (see `reference.paged_prefill_attention_ref`): a sliding `window` (query
+q sees key k only when q - k < window; tiles below every row's window are skipped, those
+on its lower edge masked) and per-query `key_ends` (query q sees keys < key_ends[q]:
+bidirectional spans such as one image's tokens; the diagonal tiles then reach the
+tile's largest end).
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ def _prefill_kernel(
     block_tables_ptr,
     cu_seqlens_q_ptr,
     context_lens_ptr,
+    key_ends_ptr,
     out_ptr,
     scale_log2,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_k_block,
@@ -55,6 +63,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_KEY_ENDS: tl.constexpr,
 ):
     query_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -86,9 +96,34 @@ def _prefill_kernel(
     k_head = k_cache_ptr + kv_head * stride_k_head
     v_head = v_cache_ptr + kv_head * stride_v_head
 
-    # Keys below the tile's first query position are visible to all its rows.
-    unmasked_end = ((prefix_len + first_query) // BLOCK_N) * BLOCK_N
-    for tile_start in range(0, unmasked_end, BLOCK_N):
+    first_pos = prefix_len + first_query
+    if HAS_KEY_ENDS:
+        key_end = tl.load(key_ends_ptr + q_start + offs_m, mask=offs_m < q_len, other=0)
+        key_end = tl.where(offs_m < q_len, key_end, query_pos + 1)  # padding rows: causal, never past the tile
+        tiles_end = tl.minimum(context_len, tl.max(key_end, 0))
+    else:
+        key_end = query_pos + 1
+        tiles_end = tl.minimum(context_len, first_pos + BLOCK_M)
+    # Keys below the tile's first query position are visible to all its rows (causal side).
+    unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
+    tiles_start = 0
+    edge_end = 0
+    if SLIDING:  # keys >= the last row's window start are visible to every row (window side)
+        tiles_start = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        edge_end = tl.minimum(tl.cdiv(tl.maximum(first_pos + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, tiles_end)
+        edge_end = tl.maximum(edge_end, tiles_start)
+        window_start = query_pos - window + 1
+        for tile_start in range(tiles_start, edge_end, BLOCK_N):
+            offs_n = tile_start + tl.arange(0, BLOCK_N)
+            visible = (offs_n[None, :] >= window_start[:, None]) & (offs_n[None, :] < key_end[:, None]) & (offs_n[None, :] < context_len)
+            acc, m_i, l_i = attend_paged_tile(
+                q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, context_len,
+                visible, scale_log2,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                PAGE_SIZE, HEAD_DIM, True,
+            )  # fmt: skip
+    middle_start = edge_end if SLIDING else 0
+    for tile_start in range(middle_start, unmasked_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = attend_paged_tile(
             q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, context_len,
@@ -96,10 +131,11 @@ def _prefill_kernel(
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
             PAGE_SIZE, HEAD_DIM, False,
         )  # fmt: skip
-    causal_end = tl.minimum(context_len, prefix_len + first_query + BLOCK_M)
-    for tile_start in range(unmasked_end, causal_end, BLOCK_N):
+    for tile_start in range(tl.maximum(middle_start, unmasked_end), tiles_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
-        visible = (offs_n[None, :] <= query_pos[:, None]) & (offs_n[None, :] < context_len)
+        visible = (offs_n[None, :] < key_end[:, None]) & (offs_n[None, :] < context_len)
+        if SLIDING:
+            visible = visible & (offs_n[None, :] >= window_start[:, None])
         acc, m_i, l_i = attend_paged_tile(
             q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, context_len,
             visible, scale_log2,
@@ -107,7 +143,7 @@ def _prefill_kernel(
             PAGE_SIZE, HEAD_DIM, True,
         )  # fmt: skip
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows past a window's end see no key
     tl.store(
         out_ptr + (q_start + offs_m)[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
         out,
@@ -125,17 +161,20 @@ def paged_prefill_attention(
     max_q_len: int,
     softmax_scale: float,
     config: PrefillConfig | None = None,
+    window: int = 0,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q[total_q_tokens, q_heads, head_dim]` over each sequence's paged context.
 
     cu_seqlens_q int32 `[num_seqs + 1]` delimits the sequences' queries; context_lens int32
     counts each sequence's cached tokens including this step's; max_q_len (a host int, so no
-    device sync) bounds the launch grid.
+    device sync) bounds the launch grid. `window` > 0: a sliding window; `key_ends` int32
+    `[total_q_tokens]`: query i sees keys < key_ends[i] (each at least its position + 1).
     """
     config = config or PrefillConfig()
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    if cu_seqlens_q.dtype != torch.int32:
-        raise ValueError("cu_seqlens_q must be int32")
+    if cu_seqlens_q.dtype != torch.int32 or (key_ends is not None and key_ends.dtype != torch.int32):
+        raise ValueError("cu_seqlens_q and key_ends must be int32")
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
@@ -146,8 +185,9 @@ def paged_prefill_attention(
     _, page_size, num_kv_heads, _ = k_cache.shape
     grid = (triton.cdiv(max_q_len, config.block_m), num_q_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        softmax_scale * LOG2_E,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+        key_ends if key_ends is not None else context_lens, out,
+        softmax_scale * LOG2_E, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -155,6 +195,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP_SIZE=num_q_heads // num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        SLIDING=window > 0, HAS_KEY_ENDS=key_ends is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

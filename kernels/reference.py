@@ -45,16 +45,24 @@ def gather_paged_kv(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query_pos: int, softmax_scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query_pos: int, softmax_scale: float,
+    window: int = 0, key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention of queries at positions first_query_pos.. over keys 0..len(k)-1, in float32."""
+    """GQA attention of queries at positions first_query_pos.. over keys 0..len(k)-1, in float32.
+
+    Query q sees key k when k <= q (or k < key_ends[q], given) and, with a sliding
+    `window`, when q - k < window."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * softmax_scale
     query_pos = first_query_pos + torch.arange(q.shape[0], device=q.device)
     key_pos = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+    ends = query_pos + 1 if key_ends is None else key_ends.to(query_pos.dtype)
+    hidden = key_pos[None, :] >= ends[:, None]
+    if window:
+        hidden |= key_pos[None, :] <= query_pos[:, None] - window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
@@ -65,8 +73,10 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence (`q[num_seqs, q_heads, head_dim]`) over its whole cached context."""
+    """One query token per sequence (`q[num_seqs, q_heads, head_dim]`) over its cached context
+    (its last `window` tokens with a sliding window)."""
     out = torch.empty_like(q)
     for seq, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
@@ -74,7 +84,7 @@ def paged_decode_attention_ref(
             continue
         k = gather_paged_kv(k_cache, block_tables[seq], context_len)
         v = gather_paged_kv(v_cache, block_tables[seq], context_len)
-        out[seq] = _attend(q[seq : seq + 1], k, v, context_len - 1, softmax_scale)[0].to(q.dtype)
+        out[seq] = _attend(q[seq : seq + 1], k, v, context_len - 1, softmax_scale, window)[0].to(q.dtype)
     return out
 
 
@@ -86,8 +96,11 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window: int = 0,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention: sequence b's q_len queries are its last q_len cached positions."""
+    """Varlen attention: sequence b's q_len queries are its last q_len cached positions;
+    causal, or up to `key_ends` [total_q] (bidirectional spans), within `window`."""
     out = torch.empty_like(q)
     bounds = cu_seqlens_q.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):
@@ -97,14 +110,16 @@ def paged_prefill_attention_ref(
         k = gather_paged_kv(k_cache, block_tables[seq], context_len)
         v = gather_paged_kv(v_cache, block_tables[seq], context_len)
         first_query_pos = context_len - (end - start)
-        out[start:end] = _attend(q[start:end], k, v, first_query_pos, softmax_scale).to(q.dtype)
+        ends = None if key_ends is None else key_ends[start:end]
+        out[start:end] = _attend(q[start:end], k, v, first_query_pos, softmax_scale, window, ends).to(q.dtype)
     return out
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Qwen2/Llama RMSNorm, rounding exactly where Hugging Face does.
+    """Qwen2/Llama RMSNorm, rounding exactly where Hugging Face does; with `offset`, Gemma's
+    (`Gemma3RMSNorm`: the weight applied as (1 + w) in fp32, rounded once at the end).
 
     With `residual`, first `x = x + residual` in the model dtype (the decoder layer's
     residual add) and return `(norm(x), x)` so the add and the norm share one pass.
@@ -112,8 +127,8 @@ def rms_norm_ref(
     if residual is not None:
         x = x + residual
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-    out = weight * normed
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = (normed * (1.0 + weight.float())).to(x.dtype) if offset else weight * normed.to(x.dtype)
     return (out, x) if residual is not None else out
 
 

@@ -43,6 +43,10 @@ def llava_prompt(text: str, num_images: int, with_video: bool) -> str:
     return f"{SYSTEM} USER: " + "<image>\n" * num_images + f"{text} ASSISTANT:"
 
 
+def gemma3_prompt(text: str, num_images: int, with_video: bool) -> str:
+    return f"<start_of_turn>user\n{SYSTEM}\n\n" + "<start_of_image>" * num_images + f"{text}<end_of_turn>\n<start_of_turn>model\n"
+
+
 def internvl_prompt(text: str, num_images: int, with_video: bool) -> str:
     media = "<IMG_CONTEXT>\n" * num_images + ("<video>\n" if with_video else "")
     return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{media}{text}<|im_end|>\n<|im_start|>assistant\n"
@@ -58,7 +62,7 @@ def smolvlm_prompt(text: str, num_images: int, with_video: bool) -> str:
 
 
 PROMPTS = {"qwen": qwen_prompt, "llava": llava_prompt, "internvl": internvl_prompt, "idefics3": idefics3_prompt,
-           "smolvlm": smolvlm_prompt}
+           "smolvlm": smolvlm_prompt, "gemma3": gemma3_prompt}
 VIDEO_FAMILIES = ("qwen", "internvl", "smolvlm")
 VIDEO_ALONE = ("smolvlm",)  # its prompts take images or videos, not both
 

@@ -87,3 +87,21 @@ def test_smolvlm2_folder_keeps_the_published_sizes_and_one_tile_per_w1_image(tmp
     assert json.loads((path / "preprocessor_config.json").read_text())["max_image_size"] == {"longest_edge": 384}
     adapter = load_adapter(str(path))
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 3 + 81  # the global tile and its markers
+
+
+def test_gemma3_12b_folder_keeps_its_layer_pattern_rope_and_image_tokens(tmp_path):
+    """Five sliding layers per global one over 48 layers, per-type RoPE, and 256 tokens per
+    image (`image_seq_length` travels in the processor config)."""
+    from transformers import AutoConfig
+
+    from vlmbatch.families.registry import load_adapter
+
+    shape = resolve_shape("gemma3_12b")
+    path = write_model_folder(shape, tmp_path)
+    text = AutoConfig.from_pretrained(path).text_config
+    assert text.num_hidden_layers == 48 and text.layer_types.count("full_attention") == 8
+    assert text.layer_types[5] == "full_attention" and text.layer_types[:5] == ["sliding_attention"] * 5
+    assert text.rope_parameters["full_attention"]["factor"] == 8.0 and text.sliding_window == 1024
+    adapter = load_adapter(str(path))
+    expanded = adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))])
+    assert 256 + 2 < expanded <= 256 + 2 + 5  # begin/end of image, the newlines around it, BOS

@@ -76,3 +76,24 @@ def test_vllm_peer_is_skipped_with_the_reason_where_it_cannot_run(adapter, tmp_p
     result = run_vllm_peer(tmp_path / "model", "dummy", workload, [workload], 0.85, 120, tmp_path, {}, [])
     assert result["runs"] == [] and "error" not in result
     assert result["skipped"].startswith("import vllm failed: ModuleNotFoundError")
+
+
+def test_gemma3_workload_vllm_prompts_and_teacher_forced_inputs(tmp_path):
+    """On the gemma3_12b folder: exact 288-token W1 prompts around 256 image tokens; vLLM
+    gets the one `<start_of_image>` to expand; the HF reference's `token_type_ids` (its
+    bidirectional image mask) follow the forced continuation's length."""
+    from vlmbatch.bench.shapes import resolve_shape, write_model_folder
+    from vlmbatch.families.registry import load_adapter
+
+    adapter = load_adapter(str(write_model_folder(resolve_shape("gemma3_12b"), tmp_path)))
+    workload = build_workload("w1", adapter, 2, seed=100)
+    boi = adapter.tokenizer.convert_tokens_to_ids("<start_of_image>")
+    for prompt, request in zip(vllm_requests(workload), workload.requests):
+        assert prompt["prompt_token_ids"].count(boi) == 1 and adapter.check(request.prompt, workload.images(0)) == 288
+    ours = engine_prompts(workload, adapter, torch.float32)
+    assert [len(p.media) for p in ours] == [1, 1] and ours[0].media[0].num_tokens == 256
+    model = type("Forward", (), {"forward": lambda self, input_ids, attention_mask, pixel_values, token_type_ids: None,
+                                 "dtype": torch.float32})()
+    forced = hf_inputs(adapter, workload, [0], model, torch.device("cpu"), continuation=[100, 101, 102])
+    assert forced["input_ids"][0].tolist() == ours[0].prompt_token_ids + [100, 101, 102]
+    assert forced["token_type_ids"].shape == (1, 291) and int(forced["token_type_ids"].sum()) == 256

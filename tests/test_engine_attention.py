@@ -67,6 +67,36 @@ def test_prefill_matches_reference(context_lens, q_lens):
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("window", [2, 5])
+def test_decode_with_a_sliding_window_matches_reference(window):
+    k_cache, v_cache, meta = paged_setup([1, 7, 13], [1, 1, 1])
+    q = torch.randn(3, HEADS, DIM)
+    out = TorchBackend().decode(q, k_cache, v_cache, meta, 0.3, window)
+    args = (q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.3)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args, window=window))
+    assert not torch.allclose(out[2], paged_decode_attention_ref(*args)[2])
+
+
+@pytest.mark.parametrize("window", [0, 3, 6])
+@pytest.mark.parametrize(
+    ("context_lens", "q_lens", "key_ends"),
+    [
+        # a fresh prompt with a span at 2..7; a chunk whose span began in the cache (6..10)
+        ([9, 11], [9, 5], [1, 2, 7, 7, 7, 7, 7, 8, 9] + [10, 10, 10, 10, 11]),
+        ([9, 4, 13], [1, 4, 1], None),  # decoding rows beside a causal chunk, window only
+    ],
+)
+def test_prefill_with_windows_and_spans_matches_reference(window, context_lens, q_lens, key_ends):
+    k_cache, v_cache, meta = paged_setup(context_lens, q_lens)
+    if key_ends is not None:
+        meta.key_ends = torch.tensor(key_ends, dtype=torch.int32)
+    q = torch.randn(sum(q_lens), HEADS, DIM)
+    out = TorchBackend().prefill(q, step_kv(k_cache, meta), step_kv(v_cache, meta), k_cache, v_cache, meta, 0.3, window)
+    expected = paged_prefill_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                           0.3, window=window, key_ends=meta.key_ends)
+    torch.testing.assert_close(out, expected)
+
+
 def test_store_writes_each_token_into_its_slot():
     k_cache, v_cache, meta = paged_setup([6], [6])
     k, v = torch.randn(6, KV_HEADS, DIM), torch.randn(6, KV_HEADS, DIM)

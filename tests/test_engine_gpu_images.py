@@ -39,6 +39,7 @@ PROMPTS = {
     "qwen2_5_vl": lambda n: QWEN_PROMPT.format(images="<|vision_start|><|image_pad|><|vision_end|>" * n),
     "qwen2_vl": lambda n: QWEN_PROMPT.format(images="<|vision_start|><|image_pad|><|vision_end|>" * n),
     "llava": lambda n: "USER: " + "<image>\n" * n + "Describe. ASSISTANT:",
+    "gemma3": lambda n: "<start_of_turn>user\n" + "<start_of_image>" * n + "Describe.<end_of_turn>\n<start_of_turn>model\n",
 }
 
 
@@ -82,7 +83,7 @@ def _row(tmp_path: Path, arch: str, adapter, images: list[bytes], defer: bool = 
     return prepare_row(0, raw, ColumnMap(), SamplingParams(max_tokens=4), adapter, media, defer_jpegs=defer)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "llava", "gemma3"])
 def test_header_size_tokenisation_equals_the_cpu_path(arch: str, tiny_model_dir) -> None:
     adapter = load_adapter(str(tiny_model_dir(arch)))
     datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES)] + [_jpeg((50, 70), 9, mode="L")]
@@ -97,7 +98,7 @@ def test_header_size_tokenisation_equals_the_cpu_path(arch: str, tiny_model_dir)
     assert adapter.prepare_encoded(PROMPTS[arch](3), several, max_tokens=4).prompt_token_ids == cpu.prompt_token_ids
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava", "gemma3"])
 def test_encoded_items_decode_to_the_cpu_path_tensors(arch: str, tiny_model_dir) -> None:
     adapter = load_adapter(str(tiny_model_dir(arch)))
     datas = [_jpeg(size, seed) for seed, size in enumerate(SIZES[:4])]

@@ -3,7 +3,7 @@
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import Scheduler
-from vlmbatch.engine.sequence import Sequence, SequenceStatus
+from vlmbatch.engine.sequence import MultimodalData, Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64):
@@ -120,3 +120,30 @@ def test_decodes_next_only_for_a_pure_decode_of_the_same_sequences():
     sched.remove(b)
     sched.add(c)
     assert not sched.decodes_next([a])  # c is waiting to be admitted
+
+
+def test_chunks_never_end_inside_a_bidirectional_span():
+    """A chunk stops before a span it cannot finish; a span larger than the budget is taken
+    whole by the step's first prompt chunk."""
+    sched = make_scheduler(num_blocks=32, budget=6)
+    seq = Sequence("img", list(range(100, 120)), SamplingParams())
+    seq.mm = MultimodalData(items=[], token_spans=[], bidirectional_spans=[(3, 5), (8, 17)])
+    other = Sequence("other", list(range(9)), SamplingParams())
+    sched.add(other)
+    sched.add(seq)
+    chunks = []
+    while seq.num_computed_tokens < 20:
+        batch = run_step(sched)
+        chunks.append({s.request_id: (s.num_computed_tokens - n, n) for s, n in zip(batch.seqs, batch.num_new_tokens)})
+    # other takes the first 6; img starts beside other's last 3 with tokens 0..2 (not into
+    # the span 3..5); then 3..7 beside other's first decode, stopping before the span
+    # 8..17, which alone exceeds the budget and so is taken whole (9 tokens) by the next
+    # step's first prompt chunk.
+    assert chunks[0] == {"other": (0, 6)}
+    assert chunks[1] == {"other": (6, 3), "img": (0, 3)}
+    assert chunks[2] == {"other": (9, 1), "img": (3, 5)}
+    assert chunks[3] == {"other": (10, 1), "img": (8, 9)}
+    assert chunks[4] == {"other": (11, 1), "img": (17, 3)}
+    for chunk in chunks:
+        start, n = chunk.get("img", (0, 0))
+        assert not any(s < start + n < e for s, e in seq.mm.bidirectional_spans)

@@ -14,7 +14,7 @@ from vlmbatch.engine.llm import LLM
 from vlmbatch.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
-ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "internvl", "idefics3", "smolvlm"]
+ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "internvl", "idefics3", "smolvlm", "gemma3"]
 
 
 def _image(h: int, w: int, seed: int) -> Image.Image:
@@ -28,6 +28,13 @@ def _cases(arch: str) -> list[tuple[str, list[Image.Image]]]:
             ("USER: <image>\nDescribe the image. ASSISTANT:", [_image(60, 80, 1)]),
             ("USER: <image>\n<image>\nWhat is the same in both? ASSISTANT:", [_image(56, 56, 2), _image(90, 70, 3)]),
             ("USER: <image>\nThe cat sits on the mat. What color is the car? ASSISTANT:", [_image(70, 70, 4)]),
+        ]
+    if arch == "gemma3":
+        turn = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+        return [
+            (turn.format("<start_of_image>Describe the image."), [_image(60, 80, 1)]),
+            (turn.format("<start_of_image><start_of_image>What is the same in both?"), [_image(56, 56, 2), _image(90, 70, 3)]),
+            (turn.format("The cat sits on the mat. <start_of_image>What color is the car?"), [_image(70, 70, 4)]),
         ]
     ph = "<IMG_CONTEXT>\n" if arch == "internvl" else "<|vision_start|><|image_pad|><|vision_end|>"
     turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

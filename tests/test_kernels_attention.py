@@ -130,3 +130,62 @@ def test_num_splits_heuristic_fills_the_gpu_only_when_needed():
     assert choose_num_splits(1, 2, 100, 132, 64) == 1  # too short to split into 2-tile ranges
     few = choose_num_splits(32, 2, 4096, 132, 64)
     assert 1 < few and 32 * 2 * few >= 2 * 132
+
+
+# ---- sliding windows and bidirectional spans (Gemma 3) ---------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "num_splits"), [(1, None), (5, 4), (40, 1), (40, 4)])
+def test_decode_with_a_sliding_window_matches_reference(dtype, window, num_splits):
+    # contexts shorter than, equal to and far longer than the window; tiles of 16 so the
+    # window's first key falls mid-tile.
+    context_lens = [1, 5, 23, 75, 130]
+    kv = make_paged_kv(context_lens, 2, 32, 16, dtype, TARGET.device, seed=11)
+    q = random_queries(len(context_lens), 8, 32, dtype, seed=12)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, SCALE)
+    out = paged_decode_attention(*args, num_splits=num_splits, config=DecodeConfig(block_n=16), window=window)
+    ref = paged_decode_attention_ref(*args, window=window)
+    assert_matches(out, ref)
+    if window < 75:  # the window changes the answer: a test that could not fail otherwise
+        assert not torch.allclose(ref[3].float(), paged_decode_attention_ref(*args)[3].float(), atol=1e-3)
+
+
+def span_key_ends(q_lens: list[int], context_lens: list[int], spans: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """Per query: its position + 1, or the end of the bidirectional span it sits in."""
+    ends = []
+    for q_len, ctx, seq_spans in zip(q_lens, context_lens, spans):
+        for pos in range(ctx - q_len, ctx):
+            ends.append(next((e for s, e in seq_spans if s <= pos < e), pos + 1))
+    return torch.tensor(ends, dtype=torch.int32, device=TARGET.device)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("window", "block_m", "with_spans"),
+    [(0, 16, True), (4, 32, True), (13, 16, True), (13, 32, False), (64, 16, True)],
+)
+def test_prefill_with_windows_and_spans_matches_reference(dtype, window, block_m, with_spans):
+    # fresh prompts; a chunk after cached tokens whose span started in the cache (a prefix
+    # hit ending mid-image); two spans in one query tile; spans longer than the window;
+    # a one-query row.
+    q_lens = [40, 19, 1, 33]
+    context_lens = [40, 37, 50, 70]
+    spans = [[(3, 21), (22, 30)], [(10, 30)], [], [(37, 38), (40, 69)]] if with_spans else [[] for _ in q_lens]
+    kv = make_paged_kv(context_lens, 2, 32, 16, dtype, TARGET.device, seed=13)
+    q = random_queries(sum(q_lens), 8, 32, dtype, seed=14)
+    cu = cu_seqlens(q_lens)
+    key_ends = span_key_ends(q_lens, context_lens, spans) if with_spans else None
+    out = paged_prefill_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, max(q_lens), SCALE,
+        config=PrefillConfig(block_m=block_m, block_n=16), window=window, key_ends=key_ends,
+    )  # fmt: skip
+    ref = paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, SCALE,
+                                      window=window, key_ends=key_ends)
+    assert_matches(out, ref)
+    if with_spans:  # the spans change the answer
+        causal = paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, SCALE,
+                                             window=window)
+        assert not torch.allclose(ref[:40].float(), causal[:40].float(), atol=1e-3)

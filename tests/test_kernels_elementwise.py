@@ -52,17 +52,35 @@ def test_store_kvcache_writes_only_mapped_slots(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 48], ids=["pow2", "masked"])
-def test_rms_norm_matches_reference(dtype, hidden):
+@pytest.mark.parametrize("offset", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_matches_reference(dtype, hidden, offset):
     x = randn(2, 3, hidden, dtype=dtype, seed=3)
     residual = randn(2, 3, hidden, dtype=dtype, seed=4)
     weight = randn(hidden, dtype=dtype, seed=5)
     atol, rtol = TOLERANCE[dtype]
 
-    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=atol, rtol=rtol)
-    out, new_residual = rms_norm(x, weight, 1e-6, residual=residual)
-    expected_out, expected_residual = rms_norm_ref(x, weight, 1e-6, residual=residual)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6, offset=offset), rms_norm_ref(x, weight, 1e-6, offset=offset),
+                               atol=atol, rtol=rtol)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual=residual, offset=offset)
+    expected_out, expected_residual = rms_norm_ref(x, weight, 1e-6, residual=residual, offset=offset)
     assert torch.equal(new_residual, expected_residual)
     torch.testing.assert_close(out, expected_out, atol=atol, rtol=rtol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_geglu_matches_gemmas_activation(dtype):
+    from transformers.activations import ACT2FN
+
+    from vlmbatch.engine.layers.activation import gelu_tanh_and_mul
+    from vlmbatch.kernels import fused_gelu_tanh_and_mul
+
+    gate_up = randn(3, 2 * 1500, dtype=dtype, seed=11) * 3  # two column blocks, a ragged tail, both tails of tanh
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = ACT2FN["gelu_pytorch_tanh"](gate) * up  # Gemma3MLP's own
+    assert torch.equal(gelu_tanh_and_mul(gate_up), expected)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(fused_gelu_tanh_and_mul(gate_up), expected, atol=atol, rtol=rtol)
 
 
 @needs_kernels
@@ -78,13 +96,19 @@ def test_rotary_matches_reference(dtype):
         torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
 
 
-def test_rms_norm_reference_is_hugging_faces_norm():
+@pytest.mark.parametrize("offset", [False, True], ids=["qwen2", "gemma3"])
+def test_rms_norm_reference_is_hugging_faces_norm(offset):
+    """Qwen2's norm (the weight times the rounded normalised value), or with `offset`
+    Gemma 3's ((1 + w) in fp32, one rounding): each equals its own, not the other."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
     hidden = 64
-    layer = Qwen2RMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
+    layer = (Gemma3RMSNorm if offset else Qwen2RMSNorm)(hidden, eps=1e-6).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(9)))
         x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-        assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6), layer(x))
+        assert torch.equal(rms_norm_ref(x, layer.weight, 1e-6, offset=offset), layer(x))
+        assert not torch.equal(rms_norm_ref(x, layer.weight, 1e-6, offset=not offset), layer(x))
 
 
 def test_rotary_reference_with_gathered_mrope_cos_sin_is_hugging_faces_mrope():

@@ -80,6 +80,15 @@ _INTERNVL3_8B = dict(
 # 288-token prompt holds); W1 here bounds the longest edge to one tile, so a 448x448 image is
 # the global tile alone (84 tokens with its markers) on every engine.
 _SMOLVLM_IMAGE = {"size": {"longest_edge": 384}, "max_image_size": {"longest_edge": 384}}
+# Gemma 3: five sliding-window layers (window 1024, local RoPE base 1e4) per global one
+# (base 1e6, linear scaling 8); `layer_types` is this pattern, repeated to the depth.
+_GEMMA3_TEXT = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208, rms_norm_eps=1e-6,
+                    max_position_embeddings=131072, final_logit_softcapping=None, attn_logit_softcapping=None,
+                    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+_GEMMA3_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=896,
+                      patch_size=14, vision_use_head=False)
 
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("tiny", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
@@ -134,6 +143,14 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                processor={"image_seq_len": 81},
                source="HuggingFaceTB/SmolVLM2-2.2B-Instruct config.json (SmolVLM paper: SigLIP-SO400M + SmolLM2-1.7B, "
                       "RoPE base 273k, 16k context); W1's image bound above"),
+    ModelShape("tiny_gemma3", "gemma3", "Gemma3ForConditionalGeneration",
+               source="the tiny Gemma 3 test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("gemma3_12b", "gemma3", "Gemma3ForConditionalGeneration",
+               text=dict(_GEMMA3_TEXT, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                         num_key_value_heads=8),
+               vision=_GEMMA3_VISION, top={"mm_tokens_per_image": 256, "tie_word_embeddings": True},
+               image_processor={"size": {"height": 896, "width": 896}}, processor={"image_seq_length": 256},
+               source="google/gemma-3-12b-it config.json: 896x896 images pooled to 256 tokens"),
 )}
 ALIASES = {"3b": "qwen2_5_vl_3b", "7b": "qwen2_5_vl_7b", "72b": "qwen2_5_vl_72b"}
 
@@ -179,8 +196,10 @@ def write_model_folder(shape: ModelShape, root: Path) -> Path:
     for target, values in ((config.text_config, shape.text), (config.vision_config, shape.vision), (config, shape.top)):
         for key, value in values.items():
             setattr(target, key, value)
-    if shape.text and getattr(config.text_config, "layer_types", None) is not None:  # derived at init: follow the new depth
-        config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+    text = config.text_config
+    if shape.text and getattr(text, "layer_types", None) is not None:  # derived at init: follow the new depth
+        pattern = shape.text.get("layer_types", ["full_attention"])  # a shape's own: repeated to the depth
+        text.layer_types = [pattern[i % len(pattern)] for i in range(text.num_hidden_layers)]
     config.architectures = [shape.architecture]
     config.save_pretrained(path)
     if shape.text_json_extra:

@@ -4,7 +4,11 @@ Every backend follows the paged-KV contract shared with `vlmbatch.kernels`: per 
 `[num_blocks, block_size, num_kv_heads, head_dim]` K and V cache, `slot_mapping` for the
 tokens written this step, `block_tables` / `context_lens` per sequence, and causal
 prefill with an offset (query i of a sequence with q_len queries sits at position
-context_len - q_len + i). The runner never emits slot -1: padding rows of a CUDA graph
+context_len - q_len + i). Two refinements, both off by default: a layer's sliding
+`window` (query q sees key k only when q - k < window) and, in prefill, per-query
+`key_ends` (query q sees keys k < key_ends[q] instead of k <= q: the bidirectional spans
+of Gemma 3's images, where an image token also sees the later tokens of its image; the
+window still bounds from below). The runner never emits slot -1: padding rows of a CUDA graph
 write into a spare block instead, so every backend can store with one scatter.
 
 * `torch`: plain PyTorch (gather + SDPA); runs anywhere, the CPU parity tests use it.
@@ -45,10 +49,16 @@ class AttentionMetadata:
     max_context_len: int = 1
     q_lens: list[int] | None = None
     context_lens_host: list[int] | None = None
+    # int32 [num_tokens], prefill only: query i sees keys < key_ends[i] (at least its own
+    # position + 1); None = causal. Set only when a chunk holds a bidirectional span.
+    key_ends: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
     name: str
+    # Sliding windows and per-query key ends (bidirectional spans); a model that needs them
+    # is refused on a backend without them when the runner is built (`ModelRunner`).
+    beyond_causal = True
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Write this step's keys/values [num_tokens, kv_heads, head_dim] into their slots."""
@@ -65,11 +75,13 @@ class AttentionBackend(ABC):
         return q, k
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         """q [total_q, heads, dim] -> out, same shape; this step's k/v are already stored."""
 
     @abstractmethod
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               window: int = 0) -> torch.Tensor:
         """q [num_seqs, heads, dim] -> out, same shape. Must be CUDA-graph capturable."""
 
 
@@ -79,12 +91,26 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int, d
     return cache[block_ids.long()].flatten(0, 1)[:length].to(dtype)
 
 
+def visible_keys(first_pos: int, q_len: int, ctx: int, window: int, key_ends: torch.Tensor | None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """Bool [q_len, ctx]: which keys each of `q_len` queries at positions first_pos.. sees
+    (causal, or up to `key_ends`; not below q - window + 1 when `window`)."""
+    device = key_ends.device if key_ends is not None else device
+    query = torch.arange(first_pos, first_pos + q_len, device=device).unsqueeze(1)
+    key = torch.arange(ctx, device=device).unsqueeze(0)
+    ends = query + 1 if key_ends is None else key_ends.to(query.dtype).unsqueeze(1)
+    mask = key < ends
+    if window:
+        mask &= key > query - window
+    return mask
+
+
 class TorchBackend(AttentionBackend):
     """Gather the paged KV and call SDPA (fused kernels on GPU, the math kernel on CPU)."""
 
     name = "torch"
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         """SDPA per prompt chunk; the one-token rows of decoding sequences that share the
         step go through the batched decode path in one call."""
         out = torch.empty_like(q)
@@ -97,32 +123,37 @@ class TorchBackend(AttentionBackend):
             rows = torch.tensor(single, device=q.device)
             tokens = torch.tensor([starts[b] for b in single], device=q.device)
             sub = AttentionMetadata(False, meta.slot_mapping, meta.block_tables[rows], meta.context_lens[rows])
-            out[tokens] = self.decode(q[tokens], k_cache, v_cache, sub, scale)
+            out[tokens] = self.decode(q[tokens], k_cache, v_cache, sub, scale, window)
         for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.context_lens_host)):
             if q_len == 1 and len(single) > 1:
                 continue
             start, end = starts[b], starts[b + 1]
+            plain = window == 0 and meta.key_ends is None
             if ctx == q_len:  # nothing cached before: this step's k/v are the whole context
                 keys, values = k[start:end], v[start:end]
-                mask, causal = None, True
             else:
                 blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size]
                 keys, values = _gather_context(k_cache, blocks, ctx, q.dtype), _gather_context(v_cache, blocks, ctx, q.dtype)
-                positions = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
-                mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= positions, False
+            causal = plain and ctx == q_len
+            ends = None if meta.key_ends is None else meta.key_ends[start:end]
+            mask = None if causal else visible_keys(ctx - q_len, q_len, ctx, window, ends, q.device)
             out[start:end] = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
             ).transpose(0, 1)
         return out
 
-    def decode(self, q, k_cache, v_cache, meta, scale):
+    def decode(self, q, k_cache, v_cache, meta, scale, window=0):
         num_seqs, max_blocks = meta.block_tables.shape
         blocks = meta.block_tables.clamp(min=0).long()
         keys = k_cache[blocks].flatten(1, 2).to(q.dtype)  # [num_seqs, max_blocks * block_size, kv_heads, dim]
         values = v_cache[blocks].flatten(1, 2).to(q.dtype)
-        positions = torch.arange(keys.shape[1], device=q.device)
-        mask = (positions.unsqueeze(0) < meta.context_lens.unsqueeze(1))[:, None, None, :]
+        positions = torch.arange(keys.shape[1], device=q.device).unsqueeze(0)
+        lens = meta.context_lens.unsqueeze(1)
+        mask = positions < lens
+        if window:
+            mask &= positions >= lens - window
+        mask = mask[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -147,14 +178,15 @@ class TritonBackend(AttentionBackend):
         return self.kernels.apply_rotary_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                                    pdl_max_rows=self.pdl_max_rows)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         return self.kernels.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.max_q_len, scale
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.max_q_len, scale,
+            window=window, key_ends=meta.key_ends,
         )
 
-    def decode(self, q, k_cache, v_cache, meta, scale):
+    def decode(self, q, k_cache, v_cache, meta, scale, window=0):
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                                   pdl_max_rows=self.pdl_max_rows)
+                                                   pdl_max_rows=self.pdl_max_rows, window=window)
 
 
 def flash_attn_flavour() -> str | None:
@@ -176,6 +208,9 @@ class FlashAttnBackend(AttentionBackend):
     Causal masks align to the bottom right, the same offset the paged contract uses."""
 
     name = "flash-attn"
+    # FlashAttention has sliding windows but no per-query key ends, and neither is wired up
+    # or measured here: such models are refused rather than computed wrong.
+    beyond_causal = False
 
     def __init__(self) -> None:
         self.flavour = flash_attn_flavour()
@@ -183,7 +218,7 @@ class FlashAttnBackend(AttentionBackend):
             raise ImportError("the flash-attn backend needs `flash_attn.cute` (pip install flash-attn-4) or `flash_attn`")
         self.flash_attn = importlib.import_module("flash_attn.cute" if self.flavour == "fa4" else "flash_attn")
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         if self.flavour == "fa4":
             return self.flash_attn.flash_attn_varlen_func(
                 q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_q_len,
@@ -196,7 +231,7 @@ class FlashAttnBackend(AttentionBackend):
             causal=True, block_table=meta.block_tables,
         )
 
-    def decode(self, q, k_cache, v_cache, meta, scale):
+    def decode(self, q, k_cache, v_cache, meta, scale, window=0):
         if self.flavour == "fa4":  # one query per sequence: the batched (not varlen) layout
             return self.flash_attn.flash_attn_varlen_func(
                 q.unsqueeze(1), k_cache, v_cache, seqused_k=meta.context_lens, page_table=meta.block_tables,

@@ -1,9 +1,12 @@
-"""The paged decoder: Qwen2, Qwen3 and Llama-style layers over flat token batches.
+"""The paged decoder: Qwen2, Qwen3, Llama and Gemma 3-style layers over flat token batches.
 
-Qwen2 (Qwen2-VL / Qwen2.5-VL's language model), Qwen3 (Qwen3-VL's) and Llama (LLaVA-1.5's)
-differ in q/k/v biases, per-head q/k RMSNorms (Qwen3), the position scheme (M-RoPE or 1-D
-RoPE) and the MLP (dense, or a mixture of experts), so one implementation serves them:
-the family says which. Weights are taken from the `transformers` model of the same
+Qwen2 (Qwen2-VL / Qwen2.5-VL's language model), Qwen3 (Qwen3-VL's), Llama (LLaVA-1.5's)
+and Gemma 3 differ in q/k/v biases, per-head q/k RMSNorms, the norm itself (Gemma: (1 + w)
+in fp32, and extra norms after attention and after the MLP), the activation (SiLU or
+GeGLU), an embedding scale, per-layer attention (sliding window or global, each with its
+own RoPE base), the attention scale, a final logit soft cap, the position scheme (M-RoPE
+or 1-D RoPE) and the MLP (dense, or a mixture of experts), so one implementation serves
+them: the family says which in a `DecoderSpec`, and nothing here names a family. Weights are taken from the `transformers` model of the same
 checkpoint, with q/k/v and gate/up fused into one matmul each, layer by layer, dropping
 each `transformers` layer once copied so the two copies never coexist whole.
 
@@ -22,8 +25,9 @@ from torch import nn
 
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
 from vlmbatch.engine.kernel_choice import KernelSet
+from vlmbatch.engine.layers.embedding import ScaledEmbedding
 from vlmbatch.engine.layers.linear import Linear
-from vlmbatch.engine.layers.norm import RMSNorm
+from vlmbatch.engine.layers.norm import OffsetRMSNorm, RMSNorm
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
 
 # Where the skinny-GEMM kernel beat cuBLAS on the H200 (`vlmbatch bench kernels --sections
@@ -45,25 +49,49 @@ class DeepStack:
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: `window` > 0 is a sliding window (query q sees key k only when
+    q - k < window, as `transformers`' sliding_window_overlay), 0 is global; `rope` names
+    the decoder's rotary embedding the layer uses (Gemma 3: a local and a global base)."""
+
+    window: int = 0
+    rope: str = "default"
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
-    """What differs between the language models the decoder serves."""
+    """What differs between the language models the decoder serves (see the module docstring)."""
 
     qkv_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before rotary
     mlp: Callable[[Any, int, KernelSet], nn.Module] | None = None  # (text config, layer, kernels) -> MLP; None = dense
+    offset_norm: bool = False  # every RMSNorm applies (1 + w) in fp32 (`OffsetRMSNorm`)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma's four per layer)
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    layers: tuple[LayerAttention, ...] | None = None  # per layer; None: every layer global with the "default" rope
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def layer(self, index: int) -> LayerAttention:
+        return self.layers[index] if self.layers is not None else LayerAttention()
+
+    def norm(self, size: int, eps: float, kernels: KernelSet) -> RMSNorm:
+        return OffsetRMSNorm(size, eps, kernels.rms_norm) if self.offset_norm else RMSNorm(size, eps, kernels.rms_norm)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, head_dim: int, spec: DecoderSpec, kernels: KernelSet):
+    def __init__(self, cfg: Any, head_dim: int, spec: DecoderSpec, kernels: KernelSet, layer: LayerAttention):
         super().__init__()
         hidden, num_heads, num_kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, skinny=kernels.skinny())
         self.o_proj = Linear(self.q_size, hidden, bias=False, skinny=kernels.skinny())
-        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, kernels.rms_norm) if spec.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, kernels.rms_norm) if spec.qk_norm else None
-        self.scale = head_dim**-0.5
+        self.q_norm = spec.norm(head_dim, cfg.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.k_norm = spec.norm(head_dim, cfg.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.scale = spec.attention_scale if spec.attention_scale is not None else head_dim**-0.5
+        self.window = layer.window
         self.rotary: Callable = kernels.rotary
 
     @torch.no_grad()
@@ -86,18 +114,21 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q, k = backend.rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, meta, self.rotary)
         if meta.is_prefill:
-            out = backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         else:
-            out = backend.decode(q, k_cache, v_cache, meta, self.scale)
+            out = backend.decode(q, k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, kernels: KernelSet):
+    def __init__(self, hidden: int, intermediate: int, kernels: KernelSet, activation: str = "silu"):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, skinny=kernels.skinny(SKINNY_ROWS, GATE_UP_LAUNCH))
         self.down_proj = Linear(intermediate, hidden, bias=False, skinny=kernels.skinny())
-        self.act: Callable = kernels.silu_and_mul
+        activations = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
+        if activation not in activations:
+            raise ValueError(f"unsupported activation {activation!r}; the decoder has {', '.join(activations)}")
+        self.act: Callable = activations[activation]
 
     @torch.no_grad()
     def load_from_hf(self, theirs: nn.Module) -> None:
@@ -108,47 +139,65 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-def dense_mlp(cfg: Any, layer: int, kernels: KernelSet) -> nn.Module:
-    return MLP(cfg.hidden_size, cfg.intermediate_size, kernels)
+def dense_mlp(cfg: Any, layer: int, kernels: KernelSet, activation: str = "silu") -> nn.Module:
+    return MLP(cfg.hidden_size, cfg.intermediate_size, kernels, activation)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm layer; with `sandwich_norms` (Gemma) `post_attention_layernorm` normalises
+    the attention output before the residual add and `pre_feedforward_layernorm` /
+    `post_feedforward_layernorm` wrap the MLP, as `transformers` names them."""
+
     def __init__(self, cfg: Any, layer: int, head_dim: int, spec: DecoderSpec, kernels: KernelSet):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
-        self.self_attn = Attention(cfg, head_dim, spec, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
-        self.mlp = (spec.mlp or dense_mlp)(cfg, layer, kernels)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = spec.norm(hidden, eps, kernels)
+        self.self_attn = Attention(cfg, head_dim, spec, kernels, spec.layer(layer))
+        self.post_attention_layernorm = spec.norm(hidden, eps, kernels)
+        self.pre_feedforward_layernorm = spec.norm(hidden, eps, kernels) if spec.sandwich_norms else None
+        self.post_feedforward_layernorm = spec.norm(hidden, eps, kernels) if spec.sandwich_norms else None
+        self.mlp = spec.mlp(cfg, layer, kernels) if spec.mlp else dense_mlp(cfg, layer, kernels, spec.activation)
 
     @torch.no_grad()
     def load_from_hf(self, theirs: nn.Module) -> None:
-        self.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-        self.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            if getattr(self, name) is not None:
+                getattr(self, name).weight.copy_(getattr(theirs, name).weight)
         self.self_attn.load_from_hf(theirs.self_attn)
         self.mlp.load_from_hf(theirs.mlp)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if self.pre_feedforward_layernorm is None:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h)[0], residual)
+        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
 
 
 class Decoder(nn.Module):
-    """Token embeddings, decoder layers, final norm and LM head."""
+    """Token embeddings, decoder layers, final norm and LM head. `rotary` is one embedding,
+    or several by name for layers that differ (`LayerAttention.rope`)."""
 
-    def __init__(self, text_config: Any, rotary: RotaryEmbedding, spec: DecoderSpec, kernels: KernelSet):
+    def __init__(self, text_config: Any, rotary: RotaryEmbedding | dict[str, RotaryEmbedding], spec: DecoderSpec,
+                 kernels: KernelSet):
         super().__init__()
         cfg = text_config
-        if getattr(cfg, "hidden_act", "silu") != "silu":
+        if getattr(cfg, "hidden_act", "silu") != "silu" and spec.activation == "silu":
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.spec = spec
+        self.embed_tokens = (ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, spec.embed_scale) if spec.embed_scale != 1.0
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.head_dim, spec, kernels) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
+        self.norm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, skinny=kernels.skinny(SKINNY_ROWS, LM_HEAD_LAUNCH))
-        self.rotary = rotary
+        self.rotaries = rotary if isinstance(rotary, dict) else {"default": rotary}
+        self.layer_ropes = [spec.layer(i).rope for i in range(cfg.num_hidden_layers)]
+        if missing := set(self.layer_ropes) - set(self.rotaries):
+            raise ValueError(f"layers use rotary embeddings {sorted(missing)} the decoder was not given")
 
     @torch.no_grad()
     def load_from_hf(self, language_model: nn.Module, lm_head: nn.Module) -> None:
@@ -163,10 +212,11 @@ class Decoder(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend: AttentionBackend, deepstack: DeepStack | None = None) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of a flat batch of tokens."""
-        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        tables = {name: rotary(positions, inputs_embeds.dtype) for name, rotary in self.rotaries.items()}
         h, residual = inputs_embeds, None
         levels = deepstack.rows.shape[1] if deepstack is not None else 0
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            cos, sin = tables[self.layer_ropes[index]]
             h, residual = layer(h, residual, cos, sin, kv_cache, meta, backend)
             if index < levels:  # the layer's output in full, then the level added, as transformers adds it
                 h = h + residual
@@ -175,4 +225,6 @@ class Decoder(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

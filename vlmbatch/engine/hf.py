@@ -105,7 +105,7 @@ def generate_inputs(hf_model: torch.nn.Module, adapter: ModelAdapter, prompts: l
     """What `hf_model.generate()` takes for decoded `prompts`: left-padded ids (generation
     appends on the right) and the media in the processor's batch layout, on the model's
     device, pixels in its dtype. `mm_token_type_ids` (Qwen's M-RoPE needs the per-token
-    modality) only for transformers versions whose forward takes it."""
+    modality) or `token_type_ids` (Gemma 3's image mask) only where the forward takes it."""
     longest = max(p.num_tokens for p in prompts)
     input_ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
@@ -113,8 +113,10 @@ def generate_inputs(hf_model: torch.nn.Module, adapter: ModelAdapter, prompts: l
         input_ids[row, longest - prompt.num_tokens :] = torch.tensor(prompt.prompt_token_ids, dtype=torch.long)
         attention_mask[row, longest - prompt.num_tokens :] = 1
     inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:
-        inputs["mm_token_type_ids"] = adapter.mm_token_type_ids(input_ids)
+    accepted = inspect.signature(hf_model.forward).parameters
+    for key in ("mm_token_type_ids", "token_type_ids"):  # Gemma 3's bidirectional image mask reads token_type_ids
+        if key in accepted:
+            inputs[key] = adapter.mm_token_type_ids(input_ids)
     inputs.update(adapter.hf_media_inputs([item for p in prompts for item in p.media]))
     device, dtype = next(hf_model.parameters()).device, hf_model.dtype
     return {k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device) for k, v in inputs.items()}

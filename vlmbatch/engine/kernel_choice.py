@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmbatch.config import EngineConfig
-from vlmbatch.engine.layers.activation import silu_and_mul
+from vlmbatch.engine.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from vlmbatch.engine.layers.rotary import apply_rotary
 
 # Decode graphs of up to this many sequences launch their Triton kernels with programmatic
@@ -63,6 +63,7 @@ class KernelSet:
     decode_linear: str
     pdl_max_rows: int
     fp8: Fp8Gemms | None = None  # FP8 GEMMs (CUDA); None: FP8 weights are dequantized at load
+    gelu_tanh_and_mul: Callable = gelu_tanh_and_mul  # GeGLU (Gemma)
 
     def skinny(self, measured_rows: int = 0, launch: dict[str, int] | None = None) -> SkinnyLinear | None:
         """The skinny-GEMM choice of one layer, as `decode_linear` says: `auto` takes the rows
@@ -106,4 +107,5 @@ def choose_kernels(config: EngineConfig, device: torch.device, attention_backend
         return functools.partial(kernel, pdl_max_rows=pdl)
 
     return KernelSet("triton", bound(kernels.rms_norm), bound(kernels.apply_rotary), bound(kernels.fused_silu_and_mul),
-                     bound(kernels.skinny_linear), config.decode_linear, pdl, fp8_gemms(device, pdl))
+                     bound(kernels.skinny_linear), config.decode_linear, pdl, fp8_gemms(device, pdl),
+                     bound(kernels.fused_gelu_tanh_and_mul))

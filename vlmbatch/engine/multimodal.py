@@ -35,4 +35,14 @@ def place_media(model: VisionLanguageModel, prompt: PreparedPrompt, dtype: torch
     return MultimodalData(
         items=[item for item, _ in spans], token_spans=[span for _, span in spans], media_index=media_index,
         rope_positions=rope_positions, rope_delta=rope_delta,
+        bidirectional_spans=media_runs(media_index) if model.bidirectional_media else [],
     )
+
+
+def media_runs(media_index: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run of consecutive media tokens: the groups `transformers`
+    builds from `token_type_ids` for Gemma 3's bidirectional mask (one per image, or per
+    pan-and-scan crop: each is wrapped in its own begin/end-of-image tokens)."""
+    is_media = torch.cat([torch.zeros(1, dtype=torch.bool), media_index >= 0, torch.zeros(1, dtype=torch.bool)])
+    edges = (is_media[1:] != is_media[:-1]).nonzero().squeeze(1).tolist()
+    return list(zip(edges[::2], edges[1::2]))

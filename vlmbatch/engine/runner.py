@@ -54,6 +54,7 @@ class ModelRunner:
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.decoder = model.decoder
+        self._check_backend(backend)
         self.backend = backend
         self.device = device
         self.dtype = self.decoder.embed_tokens.weight.dtype
@@ -141,8 +142,21 @@ class ModelRunner:
             parts.append((torch.arange(max(start, seq.num_prompt_tokens), end) + mm.rope_delta).expand(3, -1))
         return torch.cat(parts, dim=1)
 
+    @staticmethod
+    def _key_ends(seq: Sequence, start: int, end: int) -> torch.Tensor | None:
+        """Per token of [start, end): the end of the keys it sees, its bidirectional span's
+        end inside one (the scheduler keeps spans whole in a chunk), else its position + 1;
+        None when no span overlaps."""
+        spans = [(s, e) for s, e in seq.mm.bidirectional_spans if s < end and e > start] if seq.mm is not None else []
+        if not spans:
+            return None
+        ends = torch.arange(start + 1, end + 1, dtype=torch.int32)
+        for span_start, span_end in spans:
+            ends[max(span_start, start) - start : span_end - start] = span_end
+        return ends
+
     def _prefill_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, DeepStack | None]:
-        ids, positions, slots, q_lens, ctx_lens = [], [], [], [], []
+        ids, positions, slots, q_lens, ctx_lens, key_ends = [], [], [], [], [], []
         media_rows, media_at = [], []  # media embedding rows and where they go in the flat batch
         offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -152,6 +166,7 @@ class ModelRunner:
             slots.extend(self._slots(seq, start, start + n))
             q_lens.append(n)
             ctx_lens.append(start + n)
+            key_ends.append(self._key_ends(seq, start, start + n))
             if seq.mm is not None and seq.mm.embeds is not None and start < seq.num_prompt_tokens:
                 index = seq.mm.media_index[start : start + n]
                 at = (index >= 0).nonzero().squeeze(1)
@@ -167,6 +182,10 @@ class ModelRunner:
             if self.model.deepstack_levels:  # the levels sit beside the embeddings (`encode_batch`)
                 deepstack = DeepStack(at, rows[:, hidden:].view(len(at), self.model.deepstack_levels, hidden))
         meta = self._metadata(True, slots, [s.block_table for s in batch.seqs], q_lens, ctx_lens)
+        if any(ends is not None for ends in key_ends):
+            ends = [e if e is not None else torch.arange(c - q + 1, c + 1, dtype=torch.int32)
+                    for e, q, c in zip(key_ends, q_lens, ctx_lens)]
+            meta.key_ends = torch.cat(ends).to(self.device, non_blocking=True)
         return embeds, torch.cat(positions, dim=-1).to(self.device, non_blocking=True), meta, deepstack
 
     def _decode_host_inputs(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor, list[int], list[int]]:
@@ -240,9 +259,17 @@ class ModelRunner:
         return self._replay(graph_size, ids, positions, slots, [s.block_table for s in seqs], ctx, input_ids)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
+    def _check_backend(self, backend: AttentionBackend) -> None:
+        """A model with sliding windows or bidirectional spans needs a backend that does them."""
+        needs = self.model.bidirectional_media or any(layer.self_attn.window for layer in self.decoder.layers)
+        if needs and not backend.beyond_causal:
+            raise ValueError(f"this model has sliding-window layers or bidirectional image attention, which the "
+                             f"{backend.name} attention backend does not do: use --attention-backend triton or torch")
+
     def use_backend(self, backend: AttentionBackend) -> None:
         """Switch attention backends (benchmarks compare them on one loaded model; the
         model's other kernels stay as it was built with)."""
+        self._check_backend(backend)
         self.backend = backend
         if self.graphs:
             capture = any(g is not None for g in self.graphs.values())

@@ -13,6 +13,13 @@ prefill step, instead of a mixed, eager step with a few prompts and their images
 every finishing sequence (what W2 on the H200 spent most of its time in: 275 mixed
 steps for 1,024 requests).
 
+A chunk never ends inside a bidirectional media span (Gemma 3's images,
+`MultimodalData.bidirectional_spans`): the span's first tokens attend to its last, so the
+whole span is computed in one step, as `transformers`' unchunked prefill computes it. The
+chunk stops before the span instead; a span that alone exceeds the remaining budget is
+taken whole by the step's first prompt chunk (over budget by at most the span) and waits
+otherwise. A prefix-cache hit may end inside a span: those blocks were computed whole.
+
 When the cache runs out of blocks, the newest running sequence is preempted: its
 blocks are released (they stay in the prefix cache until reused) and it goes back to
 the front of the waiting queue to be recomputed later.
@@ -83,11 +90,11 @@ class Scheduler:
         for seq, decoding in running:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = 1 if decoding else min(seq.num_uncomputed_tokens, budget)
+            n = 1 if decoding else self._chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget), batch)
             if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
                 continue
             if not decoding:
-                budget -= n
+                budget = max(0, budget - n)  # a whole span may overrun it
                 batch.is_prefill = True
             self._add(batch, seq, n)
         bm = self.block_manager
@@ -97,8 +104,8 @@ class Scheduler:
             seq = self.waiting[0]
             hits = bm.match_prefix(seq)  # none for a forked sample: it holds its shared blocks already
             computed = seq.num_computed_tokens if seq.block_table else len(hits) * bm.block_size
-            n = min(len(seq) - computed, budget)
-            if not bm.can_allocate(seq, computed + n, hits):
+            n = self._chunk(seq, computed, min(len(seq) - computed, budget), batch)
+            if n == 0 or not bm.can_allocate(seq, computed + n, hits):
                 break
             self.waiting.popleft()
             bm.allocate(seq, computed + n, hits)
@@ -106,7 +113,7 @@ class Scheduler:
             self.running.append(seq)
             self._add(batch, seq, n)
             batch.is_prefill = True
-            budget -= n
+            budget = max(0, budget - n)  # a whole span may overrun it
         return batch if batch.seqs else None
 
     def decodes_next(self, seqs: list[Sequence]) -> bool:
@@ -123,6 +130,20 @@ class Scheduler:
                 return False
             new_blocks += seq.num_computed_tokens + 1 > len(seq.block_table) * bs
         return new_blocks <= self.block_manager.num_free_blocks
+
+    @staticmethod
+    def _chunk(seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
+        """`n` new tokens from `start`, cut so that the chunk does not end inside a
+        bidirectional span (see the module docstring)."""
+        end = start + n
+        if seq.mm is None or end >= len(seq):
+            return n
+        for span_start, span_end in seq.mm.bidirectional_spans:
+            if span_start < end < span_end:
+                if span_start > start:
+                    return span_start - start
+                return 0 if batch.is_prefill else span_end - start
+        return n
 
     def _admitting(self) -> bool:
         """Whether waiting requests may join this step (see `min_admission_batch`)."""

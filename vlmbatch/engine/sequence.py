@@ -38,6 +38,8 @@ class MultimodalData:
     `embeds` ([num_media_tokens, hidden], filled by the encoder on first schedule) and
     `rope_delta` (M-RoPE: position of generated token i is i + rope_delta) live here
     so that a preempted sequence can be recomputed without encoding again.
+    `bidirectional_spans` (Gemma 3) are the (start, end) runs of media tokens that attend
+    to each other in prefill; the scheduler never ends a prompt chunk inside one.
     """
 
     items: list[Any]  # MediaItem
@@ -46,6 +48,7 @@ class MultimodalData:
     media_index: Any = None  # int64 [num_prompt_tokens]: row of `embeds` for each media token, else -1
     rope_positions: Any = None  # [3, num_prompt_tokens] for M-RoPE models
     rope_delta: int = 0
+    bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)  # identity: `seq in running` must not compare token lists field by field

@@ -50,6 +50,7 @@ class VisionLanguageModel(ABC):
     mrope = False  # positions are [3, tokens] (M-RoPE), not [tokens]
     mrope_interleaved = False  # Qwen3-VL's layout of the M-RoPE frequencies (`RotaryEmbedding`)
     deepstack_levels = 0  # vision feature levels added after the first decoder layers (Qwen3-VL)
+    bidirectional_media = False  # a media item's tokens attend to each other in prefill (Gemma 3)
     language_model_attr = "language_model"  # where `hf_model.model` holds its text model (Idefics3: text_model)
 
     def __init__(self, hf_model: nn.Module, decoder: Decoder, kernels: KernelSet, image_decoder: EncodedImageDecoder,
@@ -77,7 +78,7 @@ class VisionLanguageModel(ABC):
         in its final dtype), for `load_format="dummy"`."""
         language_model = getattr(hf_model.model, cls.language_model_attr)
         text_config = hf_model.config.get_text_config()
-        rotary = RotaryEmbedding.from_hf(language_model.rotary_emb, text_config, mrope=cls.mrope, interleaved=cls.mrope_interleaved)
+        rotary = cls.rotary_embeddings(language_model.rotary_emb, text_config)
         with torch.device("meta" if dummy else device):
             decoder = Decoder(text_config, rotary, cls.decoder_spec(text_config), kernels).to(dtype)
         if dummy:
@@ -104,6 +105,11 @@ class VisionLanguageModel(ABC):
     @classmethod
     def decoder_spec(cls, text_config: Any) -> DecoderSpec:
         return DecoderSpec(qkv_bias=bool(getattr(text_config, "attention_bias", False)))
+
+    @classmethod
+    def rotary_embeddings(cls, hf_rotary: nn.Module, text_config: Any) -> RotaryEmbedding | dict[str, RotaryEmbedding]:
+        """The decoder's rotary embedding(s), by the names `DecoderSpec.layers` uses."""
+        return RotaryEmbedding.from_hf(hf_rotary, text_config, mrope=cls.mrope, interleaved=cls.mrope_interleaved)
 
     def _fuse_tower_norms(self, rms_norm: Any) -> None:
         """The checkpoint's own RMSNorms (in `transformers` towers) through the fused kernel:

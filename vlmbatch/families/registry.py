@@ -61,6 +61,7 @@ FAMILIES: dict[str, Family] = {
         _family("internvl", {IMAGES, VIDEO}),
         _family("idefics3", {IMAGES}),
         _family("smolvlm", {IMAGES, VIDEO}),
+        _family("gemma3", {IMAGES}),
     )
 }
 _BY_MODEL_TYPE = {model_type: f for f in FAMILIES.values() for model_type in f.model_types}

@@ -32,8 +32,9 @@ def hf_inputs(adapter, workload: Workload, indices: list[int], model: torch.nn.M
         inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     accepted = inspect.signature(model.forward).parameters
-    if "mm_token_type_ids" in accepted:  # rebuilt from the ids: older processors do not return it
-        inputs["mm_token_type_ids"] = adapter.mm_token_type_ids(inputs["input_ids"])
+    for key in ("mm_token_type_ids", "token_type_ids"):  # rebuilt from the ids: older processors do not return
+        if key in accepted:  # them, and a continuation lengthens the ids (Gemma 3: token_type_ids)
+            inputs[key] = adapter.mm_token_type_ids(inputs["input_ids"])
     inputs = {k: v for k, v in inputs.items() if k in accepted}
     for key, value in inputs.items():
         if key.startswith("pixel_values") and value.is_floating_point():

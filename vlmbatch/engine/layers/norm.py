@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,3 +28,23 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype), x
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied as (1 + w),
+    with the product in fp32 and one rounding at the end (`Gemma3RMSNorm`), where Llama's
+    rounds the normalised value before the weight. `kernel`: the fused norm, called with
+    `offset=True`."""
+
+    def __init__(self, hidden_size: int, eps: float, kernel: Callable | None = None):
+        super().__init__(hidden_size, eps, functools.partial(kernel, offset=True) if kernel is not None else None)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            return super().forward(x, residual)
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype), x
