@@ -42,18 +42,21 @@ def llava_prompt(text: str, num_images: int, with_video: bool) -> str:
 
 
 def build_requests(adapter, family: str, count: int, seed: int, max_images: int = 2,
-                   widths: tuple[int, ...] = (40, 56, 90, 112), heights: tuple[int, ...] = (40, 56, 84)):
-    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen), repeats."""
+                   widths: tuple[int, ...] = (40, 56, 90, 112), heights: tuple[int, ...] = (40, 56, 84),
+                   make_prompt=None, video: bool | None = None):
+    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen,
+    or where `video`), repeats; `make_prompt(text, num_images, with_video)` defaults by family."""
     rng = random.Random(seed)
     images = [make_image(i, (rng.choice(widths), rng.choice(heights))) for i in range(4)]
-    make_prompt = qwen_prompt if family.startswith("qwen") else llava_prompt
+    make_prompt = make_prompt or (qwen_prompt if family.startswith("qwen") else llava_prompt)
+    video = family.startswith("qwen") if video is None else video
     requests = []
     for i in range(count):
         if i % 10 == 9:  # an exact repeat: its whole prefix is cached
             requests.append((f"{i}", *requests[-1][1:]))
             continue
         num_images = rng.choice([0, 1, *range(1, max_images + 1)])
-        with_video = family.startswith("qwen") and i % 10 == 4
+        with_video = video and i % 10 == 4
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
         chosen = [images[rng.randrange(len(images))] for _ in range(num_images)]
         videos = [make_video(i)] if with_video else []

@@ -129,6 +129,10 @@ class ProcessorAdapter(ModelAdapter):
                 param="prompt",
             )
 
+    def _image_inputs(self, images: list[Any]) -> Any:
+        """The processor's `images=` argument for one prompt's images."""
+        return images or None
+
     def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
         """Processor arguments (`videos=...` and metadata) for already-sampled frames."""
         return {}
@@ -166,7 +170,7 @@ class ProcessorAdapter(ModelAdapter):
         self._validate(prompt, images, [])
         num_tokens = self._count_text_tokens(prompt)
         # each placeholder token becomes the image's tokens
-        num_tokens += sum(self._image_tokens(image.height, image.width) for image in images) - len(images)
+        num_tokens += sum(self._image_token_counts([(image.height, image.width) for image in images])) - len(images)
         self._check_length(num_tokens, max_tokens)
         return num_tokens
 
@@ -177,6 +181,11 @@ class ProcessorAdapter(ModelAdapter):
         if backend is None:
             return len(self.tokenizer(prompt)["input_ids"])
         return len(backend.encode(prompt, add_special_tokens=True).ids)
+
+    def _image_token_counts(self, sizes: list[tuple[int, int]]) -> list[int]:
+        """Tokens of each image of one prompt, from the (height, width) of all of them
+        (LLaVA-OneVision counts an image differently when the prompt has several)."""
+        return [self._image_tokens(height, width) for height, width in sizes]
 
     def _image_tokens(self, height: int, width: int) -> int:
         """Tokens of one image of this size, memoised: datasets repeat sizes, the formula is slow."""
@@ -192,7 +201,7 @@ class ProcessorAdapter(ModelAdapter):
         expands them; each item carries its bytes and what the engine needs before the
         pixels exist (`_encoded_tensors`)."""
         self._validate(prompt, images, [])
-        counts = [self._image_tokens(image.height, image.width) for image in images]
+        counts = self._image_token_counts([(image.height, image.width) for image in images])
         pieces = prompt.split(self.image_token)
         expanded = pieces[0] + "".join(self.image_token * count + piece for count, piece in zip(counts, pieces[1:]))
         token_ids: list[int] = self.tokenizer([expanded])["input_ids"][0]
@@ -222,7 +231,7 @@ class ProcessorAdapter(ModelAdapter):
         self._validate(prompt, images, videos)
         try:
             processed = self.processor(
-                text=[prompt], images=images or None, return_tensors="pt", **self._video_inputs(videos)
+                text=[prompt], images=self._image_inputs(images), return_tensors="pt", **self._video_inputs(videos)
             )
         except (ValueError, TypeError) as exc:  # e.g. an image below the minimum size or of odd shape
             raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"the processor rejected the media: {exc}") from exc

@@ -57,6 +57,8 @@ FAMILIES: dict[str, Family] = {
         _family("llava", {IMAGES}),
         _family("qwen3_vl", {IMAGES, VIDEO}),
         _family("qwen3_vl_moe", {IMAGES, VIDEO, MOE}),
+        _family("llava_next", {IMAGES}),
+        _family("llava_onevision", {IMAGES, VIDEO}),
     )
 }
 _BY_MODEL_TYPE = {model_type: f for f in FAMILIES.values() for model_type in f.model_types}
