@@ -58,13 +58,48 @@ def _check_against_transformers(llava, count: int, seed: int) -> None:
     assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
     tile_counts = {len(item.tensors["pixel_values"]) for p, _ in prepared.values() for item in p.media if item.kind == "image"}
     assert len(tile_counts) >= 3, tile_counts  # several tile grids (OneVision: and base-only images)
-    assert arch == "llava_next" or any(item.kind == "video" for p, _ in prepared.values() for item in p.media)
+    items = [item for p, _ in prepared.values() for item in p.media]
+    if arch == "llava_onevision":  # a video, and a 150x131 image alone: a 4x4 grid downsampled (anyres_max_9)
+        assert any(item.kind == "video" for item in items)
+        assert any(item.tensors.get("image_sizes", torch.zeros(1)).tolist() == [[150, 131]]
+                   and len(item.tensors["pixel_values"]) == 17 for item in items)
 
 
 def test_mixed_requests_match_transformers(llava):
-    _check_against_transformers(llava, 12, seed=4)
+    _check_against_transformers(llava, 12, seed={"llava_next": 0, "llava_onevision": 1}[llava[0]])  # seeds with varied grids
 
 
 @pytest.mark.slow
 def test_fifty_mixed_requests_match_transformers(llava):
-    _check_against_transformers(llava, 50, seed=3)
+    _check_against_transformers(llava, 50, seed={"llava_next": 3, "llava_onevision": 0}[llava[0]])
+
+
+# ---- the adapters' own rules ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def onevision(tiny_model_dir):
+    return load_adapter(str(tiny_model_dir("llava_onevision")))
+
+
+def test_onevision_tiles_a_lone_image_and_shrinks_multi_image_prompts(onevision):
+    """A lone image is tiled (a 150x131 image: 4x4 tiles, its grid downsampled to the
+    `anyres_max_9` budget); each image of a multi-image prompt is its base view plus one
+    newline. The dry run's count, from sizes alone, equals the processor's."""
+    large, small = make_image(1, (131, 150)), make_image(2, (97, 61))
+    alone = onevision.prepare(onevision_prompt("What?", 1, False), [large])
+    [item] = alone.media
+    assert len(item.tensors["pixel_values"]) == 17 and item.num_tokens == 160 < 16 + 16 * 16 + 16
+    pair = onevision.prepare(onevision_prompt("What?", 2, False), [large, small])
+    assert [(len(i.tensors["pixel_values"]), i.num_tokens) for i in pair.media] == [(1, 17), (1, 17)]
+    assert pair.media[0].content_hash != item.content_hash  # base-only embeddings are cached apart
+    for prompt, images in ((alone, [large]), (pair, [large, small])):
+        assert onevision.check(prompt.prompt, images) == prompt.num_tokens
+
+
+def test_a_video_on_llava_next_is_a_row_error(tiny_model_dir):
+    adapter = load_adapter(str(tiny_model_dir("llava_next")))
+    with pytest.raises(RowError) as info:
+        adapter.prepare("[INST] <video>\nWhat happens? [/INST]", videos=[make_video(1)])
+    assert info.value.error_type == ErrorType.UNSUPPORTED_MEDIA
+    assert not adapter.accepts_encoded_images  # JPEGs are decoded on the CPU (see adapter.py)
