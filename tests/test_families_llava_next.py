@@ -103,3 +103,97 @@ def test_a_video_on_llava_next_is_a_row_error(tiny_model_dir):
         adapter.prepare("[INST] <video>\nWhat happens? [/INST]", videos=[make_video(1)])
     assert info.value.error_type == ErrorType.UNSUPPORTED_MEDIA
     assert not adapter.accepts_encoded_images  # JPEGs are decoded on the CPU (see adapter.py)
+
+
+# ---- everywhere the other families work: jobs, the dry run, serve -------------------------
+
+IMAGE_PROMPTS = {
+    "llava_next": "[INST] <image>\nDescribe it. [/INST]",
+    "llava_onevision": "<|im_start|>user <image>\nDescribe it.<|im_end|>\n<|im_start|>assistant\n",
+}
+VIDEO_PROMPTS = {
+    "llava_next": "[INST] <video>\nWhat happens? [/INST]",
+    "llava_onevision": "<|im_start|>user <video>\nWhat happens?<|im_end|>\n<|im_start|>assistant\n",
+}
+
+
+@pytest.fixture(scope="module")
+def media_folder(tmp_path_factory):
+    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
+
+    if not ffmpeg_available():
+        pytest.skip("needs ffmpeg to make the test video")
+    folder = tmp_path_factory.mktemp("llava-media")
+    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
+    make_image(1, (131, 150)).save(folder / "large.png")
+    make_image(2, (97, 61)).save(folder / "wide.jpg")
+    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, media_folder, tmp_path):
+    """Images (one, two), a chat row, a corrupt image; a video is a row like any other on
+    OneVision and an `unsupported_media` row error on NeXT; the dry run finds the bad rows."""
+    import json
+
+    import duckdb
+    from test_submit_e2e import vlmbatch
+
+    two = IMAGE_PROMPTS[arch].replace("<image>", "<image><image>")
+    rows = [
+        {"id": "image", "prompt": IMAGE_PROMPTS[arch], "image": str(media_folder / "large.png")},
+        {"id": "two-images", "prompt": two, "images": [str(media_folder / "large.png"), str(media_folder / "wide.jpg")]},
+        {"id": "video", "prompt": VIDEO_PROMPTS[arch], "video": str(media_folder / "h264_mp4.mp4")},
+        {"id": "chat", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(media_folder / "wide.jpg")}},
+            {"type": "text", "text": "What is it?"}]}]},
+        {"id": "corrupt", "prompt": IMAGE_PROMPTS[arch], "image": str(media_folder / "corrupt.png")},
+    ]
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = str(tiny_model_dir(arch))
+    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
+    assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
+    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4",
+                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = tmp_path / "out" / done.stdout.split()[0] / "results"
+    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
+    assert by_id["corrupt"]["error_type"] == "media_decode_error"
+    ok = ["image", "two-images", "chat"] + (["video"] if arch == "llava_onevision" else [])
+    for key in ok:
+        assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]
+    if arch == "llava_next":
+        assert by_id["video"]["error_type"] == "unsupported_media"
+    else:  # a lone image is tiled (the larger, the more tokens); two images are 17 base-view tokens each
+        counts = [by_id[key]["num_input_tokens"] for key in ("two-images", "chat", "image")]
+        assert counts == sorted(counts) and counts[0] < 17 * 2 + 20, counts
+
+
+def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
+    import openai
+
+    from server_harness import data_url
+    from vlmbatch.testing.server_process import ServerProcess
+
+    image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "large.png").read_bytes())}}
+    video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
+    for arch in ARCHS:
+        model = str(tiny_model_dir(arch))
+        with ServerProcess(["--model", model, "--allowed-local-media-path", str(media_folder)]) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+            def ask(*parts):
+                return client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
+                    max_tokens=3, temperature=0,
+                )
+
+            for parts in ([image], [image, image]) + (([video], [image, video]) if arch == "llava_onevision" else ()):
+                reply = ask(*parts)
+                assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 20
+            if arch == "llava_next":
+                with pytest.raises(openai.BadRequestError) as info:
+                    ask(video)
+                assert info.value.code == "unsupported_media"

@@ -91,7 +91,7 @@ def build_prompt(
             prompt = adapter.apply_chat_template(messages)
         image_refs = image_refs + message_images
         video_refs = video_refs + message_videos
-    if defer_jpegs and adapter is not None and image_refs and not video_refs and not check_only:
+    if defer_jpegs and adapter is not None and adapter.accepts_encoded_images and image_refs and not video_refs and not check_only:
         return _prepare_encoded(prompt or "", image_refs, adapter, media, request.sampling.max_tokens)
     load_image = media.image_size if check_only else media.image
     images = [load_image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
