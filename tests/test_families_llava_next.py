@@ -131,7 +131,7 @@ def media_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [pytest.param("llava_next", marks=pytest.mark.slow), "llava_onevision"])
 def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, media_folder, tmp_path):
     """Images (one, two), a chat row, a corrupt image; a video is a row like any other on
     OneVision and an `unsupported_media` row error on NeXT; the dry run finds the bad rows."""

@@ -32,6 +32,7 @@ class ModelShape:
     vision: dict[str, Any] = field(default_factory=dict)  # vision_config values
     top: dict[str, Any] = field(default_factory=dict)  # top-level config values
     image_processor: dict[str, Any] = field(default_factory=dict)  # image processor values (`size` bounds, patch...)
+    processor: dict[str, Any] = field(default_factory=dict)  # processor values (LLaVA-OneVision's `num_image_tokens`)
     text_json_extra: dict[str, Any] = field(default_factory=dict)  # written into config.json's text_config for older readers
     source: str = ""
 
@@ -51,6 +52,13 @@ _QWEN3_TEXT = dict(head_dim=128, vocab_size=151936, tie_word_embeddings=False, m
 # Qwen3-VL's processor: patch 16, merge 2, mean/std 0.5; a 448x448 image is 196 tokens.
 _QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+# LLaVA-NeXT (llava-v1.6-mistral-7b-hf): CLIP-L/336 (CLS dropped, layer -2), five 1x2..3x1 grids
+# of 336 px tiles; a 448x448 image is a 2x2 grid plus the base view, 2,928 tokens.
+_LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+# LLaVA-OneVision (llava-onevision-qwen2-7b-ov-hf): SigLIP-so400m/384 without its last layer,
+# every 1..6 x 1..6 grid of 384 px tiles, anyres_max_9; a 448x448 image is 3,699 tokens.
+_ONEVISION_PINPOINTS = [[384 * rows, 384 * cols] for rows in range(1, 7) for cols in range(1, 7)]
 
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("tiny", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
@@ -82,6 +90,26 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                image_processor=_QWEN3_IMAGE,
                text_json_extra={"num_experts": 128},  # transformers 5.24 writes num_local_experts; 5.17 (vLLM's) reads this
                source="Qwen/Qwen3-VL-30B-A3B-Instruct config.json (../shared/FACTS.md)"),
+    ModelShape("llava_next_7b", "llava_next", "LlavaNextForConditionalGeneration",
+               text=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, vocab_size=32064),
+               vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                           image_size=336, patch_size=14, projection_dim=768),
+               top={"image_grid_pinpoints": _LLAVA_NEXT_PINPOINTS, "tie_word_embeddings": False},
+               image_processor={"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336},
+                                "image_grid_pinpoints": _LLAVA_NEXT_PINPOINTS},
+               source="llava-hf/llava-v1.6-mistral-7b-hf config.json"),
+    ModelShape("llava_onevision_7b", "llava_onevision", "LlavaOnevisionForConditionalGeneration",
+               text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, vocab_size=152128),
+               vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16,
+                           image_size=384, patch_size=14),
+               top={"image_grid_pinpoints": _ONEVISION_PINPOINTS, "tie_word_embeddings": False},
+               image_processor={"size": {"height": 384, "width": 384}, "image_grid_pinpoints": _ONEVISION_PINPOINTS},
+               processor={"num_image_tokens": 729},  # (384 / 14) ** 2 patches per tile
+               source="llava-hf/llava-onevision-qwen2-7b-ov-hf config.json"),
 )}
 ALIASES = {"3b": "qwen2_5_vl_3b", "7b": "qwen2_5_vl_7b"}
 
@@ -135,10 +163,12 @@ def write_model_folder(shape: ModelShape, root: Path) -> Path:
         written = json.loads((path / "config.json").read_text())
         written["text_config"].update(shape.text_json_extra)
         (path / "config.json").write_text(json.dumps(written, indent=2))
-    if shape.image_processor:
+    if shape.image_processor or shape.processor:
         processor = AutoProcessor.from_pretrained(path)
         for key, value in shape.image_processor.items():
             setattr(processor.image_processor, key, value)
+        for key, value in shape.processor.items():
+            setattr(processor, key, value)
         processor.save_pretrained(path)
         processor.image_processor.save_pretrained(path)  # preprocessor_config.json, which other readers take
     return path
