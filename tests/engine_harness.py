@@ -30,6 +30,23 @@ def make_video(seed: int, frames: int = 4) -> VideoFrames:
     return VideoFrames(pixels, [i / 2 for i in range(frames)], sampled_fps=2.0, source_fps=2.0, duration=frames / 2)
 
 
+def media_folder(tmp_path_factory, name: str, images: dict[str, tuple[int, int]]):
+    """A folder for job and server tests: a 3 s h264 clip (`h264_mp4.mp4`, 96x64 at 8 fps),
+    `images` (file name -> (width, height)) and a corrupt `corrupt.png`; skips without ffmpeg."""
+    import pytest
+
+    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
+
+    if not ffmpeg_available():
+        pytest.skip("needs ffmpeg to make the test video")
+    folder = tmp_path_factory.mktemp(name)
+    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
+    for seed, (file_name, size) in enumerate(images.items(), start=1):
+        make_image(seed, size).save(folder / file_name)
+    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
+    return folder
+
+
 def qwen_prompt(text: str, num_images: int, with_video: bool) -> str:
     media = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
     if with_video:
@@ -80,6 +97,20 @@ def run_greedy(engine, adapter, requests) -> tuple[dict, dict]:
         prepared[request_id] = (adapter.prepare(text, images, videos, max_tokens), max_tokens)
         engine.add_request(request_id, prepared[request_id][0], SamplingParams(max_tokens=max_tokens, temperature=0))
     return prepared, run_to_completion(engine)
+
+
+def check_greedy_against_transformers(engine, adapter, hf_model, requests) -> dict:
+    """`run_greedy`, then every request's tokens against `hf_greedy`, and the engine's
+    counters: batching under a small KV cache must have chunked, preempted and hit the
+    prefix and encoder caches. Returns the prepared requests."""
+    prepared, outputs = run_greedy(engine, adapter, requests)
+    assert sorted(outputs) == sorted(prepared)
+    for request_id, (prompt, max_tokens) in prepared.items():
+        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
+    stats = engine.stats
+    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
+    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    return prepared
 
 
 def run_to_completion(engine) -> dict:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import SYSTEM, build_requests, hf_greedy, make_image, make_video, run_greedy
+from engine_harness import SYSTEM, build_requests, check_greedy_against_transformers, make_image, make_video
+from engine_harness import media_folder as make_media_folder
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -49,13 +50,7 @@ def _check_against_transformers(llava, count: int, seed: int) -> None:
                                                max_num_seqs=6, max_num_batched_tokens=64, min_admission_batch=1))
     requests = build_requests(adapter, arch, count, seed=seed, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS,
                               make_prompt=PROMPTS[arch], video=arch == "llava_onevision")
-    prepared, outputs = run_greedy(engine, adapter, requests)
-    assert sorted(outputs) == sorted(prepared)
-    for request_id, (prompt, max_tokens) in prepared.items():
-        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
-    stats = engine.stats
-    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
-    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    prepared = check_greedy_against_transformers(engine, adapter, hf_model, requests)
     tile_counts = {len(item.tensors["pixel_values"]) for p, _ in prepared.values() for item in p.media if item.kind == "image"}
     assert len(tile_counts) >= 3, tile_counts  # several tile grids (OneVision: and base-only images)
     items = [item for p, _ in prepared.values() for item in p.media]
@@ -119,26 +114,14 @@ VIDEO_PROMPTS = {
 
 @pytest.fixture(scope="module")
 def media_folder(tmp_path_factory):
-    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
-
-    if not ffmpeg_available():
-        pytest.skip("needs ffmpeg to make the test video")
-    folder = tmp_path_factory.mktemp("llava-media")
-    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
-    make_image(1, (131, 150)).save(folder / "large.png")
-    make_image(2, (97, 61)).save(folder / "wide.jpg")
-    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
-    return folder
+    return make_media_folder(tmp_path_factory, "llava-media", {"large.png": (131, 150), "wide.jpg": (97, 61)})
 
 
 @pytest.mark.parametrize("arch", [pytest.param("llava_next", marks=pytest.mark.slow), "llava_onevision"])
 def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, media_folder, tmp_path):
     """Images (one, two), a chat row, a corrupt image; a video is a row like any other on
     OneVision and an `unsupported_media` row error on NeXT; the dry run finds the bad rows."""
-    import json
-
-    import duckdb
-    from test_submit_e2e import vlmbatch
+    from test_submit_e2e import submit_rows
 
     two = IMAGE_PROMPTS[arch].replace("<image>", "<image><image>")
     rows = [
@@ -150,16 +133,8 @@ def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, m
             {"type": "text", "text": "What is it?"}]}]},
         {"id": "corrupt", "prompt": IMAGE_PROMPTS[arch], "image": str(media_folder / "corrupt.png")},
     ]
-    dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model = str(tiny_model_dir(arch))
-    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
+    dry, by_id = submit_rows(rows, str(tiny_model_dir(arch)), tmp_path)
     assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
-    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4",
-                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = tmp_path / "out" / done.stdout.split()[0] / "results"
-    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
     assert by_id["corrupt"]["error_type"] == "media_decode_error"
     ok = ["image", "two-images", "chat"] + (["video"] if arch == "llava_onevision" else [])
     for key in ok:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import build_requests, hf_greedy, make_image, make_video, qwen_prompt, run_greedy
+from engine_harness import build_requests, check_greedy_against_transformers, make_video, qwen_prompt
+from engine_harness import media_folder as make_media_folder
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -32,13 +33,7 @@ def test_fifty_mixed_requests_match_transformers(qwen3):
     engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=96, block_size=4,
                                                max_num_seqs=6, max_num_batched_tokens=48, min_admission_batch=1))
     requests = build_requests(adapter, "qwen3_vl", 50, seed=3, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
-    prepared, outputs = run_greedy(engine, adapter, requests)
-    assert sorted(outputs) == sorted(prepared)
-    for request_id, (prompt, max_tokens) in prepared.items():
-        assert outputs[request_id].outputs[0].token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
-    stats = engine.stats
-    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
-    assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    check_greedy_against_transformers(engine, adapter, hf_model, requests)
     assert {len(images) for _, _, images, _, _ in requests} == {0, 1, 2, 3}
     assert any(videos for *_, videos, _ in requests)
 
@@ -64,23 +59,12 @@ IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Des
 
 @pytest.fixture(scope="module")
 def media_folder(tmp_path_factory):
-    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
-
-    if not ffmpeg_available():
-        pytest.skip("needs ffmpeg to make the test video")
-    folder = tmp_path_factory.mktemp("qwen3-media")
-    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
-    make_image(1, (97, 61)).save(folder / "odd.png")
-    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
-    return folder
+    return make_media_folder(tmp_path_factory, "qwen3-media", {"odd.png": (97, 61)})
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_vl_moe"])
 def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, media_folder, tmp_path):
-    import json
-
-    import duckdb
-    from test_submit_e2e import vlmbatch
+    from test_submit_e2e import submit_rows
 
     rows = [
         {"id": "image", "prompt": IMAGE_PROMPT, "image": str(media_folder / "odd.png")},
@@ -92,16 +76,8 @@ def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, 
             {"type": "text", "text": "What happens?"}]}]},
         {"id": "corrupt", "prompt": IMAGE_PROMPT, "image": str(media_folder / "corrupt.png")},
     ]
-    dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model = str(tiny_model_dir(arch))
-    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
+    dry, by_id = submit_rows(rows, str(tiny_model_dir(arch)), tmp_path)
     assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
-    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", "4",
-                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = tmp_path / "out" / done.stdout.split()[0] / "results"
-    by_id = {r["id"]: r for r in duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all().to_pylist()}
     assert by_id["corrupt"]["error_type"] == "media_decode_error"
     for key in ("image", "video", "video-2-frames", "chat"):
         assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]

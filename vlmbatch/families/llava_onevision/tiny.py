@@ -1,13 +1,15 @@
 """Tiny random-weight LLaVA-OneVision checkpoints: a SigLIP tower (no CLS, "full" features),
 anyres tiling over 1x1..4x4 tiles with `anyres_max_9` downsampling of large grids, videos
-pooled 2x2 per frame, and a Qwen2 decoder (q/k/v biases) with OneVision's ChatML prompts."""
+pooled 2x2 per frame, and a Qwen2 decoder (q/k/v biases; LLaVA-NeXT's tiny `text_config`) with
+OneVision's ChatML prompts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
+from vlmbatch.families.llava_next.tiny import text_config
+from vlmbatch.testing.checkpoints import save_checkpoint, train_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 TILE, PATCH = 32, 8  # 4x4 patches per tile
@@ -51,28 +53,15 @@ def processor() -> Any:
 def config(tokenizer: Any) -> Any:
     from transformers import LlavaOnevisionConfig
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vision_config = dict(
         model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, image_size=TILE, patch_size=PATCH,
     )
-    text_config = dict(
-        model_type="qwen2",
-        vocab_size=padded_vocab(tokenizer),
-        **TINY_DECODER,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=False,
-    )
     return LlavaOnevisionConfig(
         vision_config=vision_config,
-        text_config=text_config,
-        image_token_index=ids["<image>"],
-        video_token_index=ids["<video>"],
+        text_config=text_config("qwen2", tokenizer, "<|endoftext|>", "<|im_end|>", "<|endoftext|>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
         image_grid_pinpoints=PINPOINTS,
         vision_aspect_ratio="anyres_max_9",
         vision_feature_select_strategy="full",
