@@ -92,6 +92,19 @@ def test_onevision_tiles_a_lone_image_and_shrinks_multi_image_prompts(onevision)
         assert onevision.check(prompt.prompt, images) == prompt.num_tokens
 
 
+def test_onevision_samples_32_frames_uniformly():
+    """The sampling contract under OneVision's convention: 32 frames spread over a long clip
+    (first and last included), every frame of a clip with fewer, none repeated."""
+    from vlmbatch.families.llava_onevision.adapter import LLAVA_ONEVISION_FRAMES
+    from vlmbatch.media.video.options import VideoOptions
+    from vlmbatch.media.video.sampling import plan_frames
+
+    long = plan_frames([i / 30 for i in range(1800)], VideoOptions(), LLAVA_ONEVISION_FRAMES)
+    assert len(long.indices) == 32 and (long.indices[0], long.indices[-1]) == (0, 1799)
+    assert plan_frames([i / 8 for i in range(24)], VideoOptions(), LLAVA_ONEVISION_FRAMES).indices == list(range(24))
+    assert len(plan_frames([i / 30 for i in range(1800)], VideoOptions(num_frames=8), LLAVA_ONEVISION_FRAMES).indices) == 8
+
+
 def test_a_video_on_llava_next_is_a_row_error(tiny_model_dir):
     adapter = load_adapter(str(tiny_model_dir("llava_next")))
     with pytest.raises(RowError) as info:
@@ -144,6 +157,7 @@ def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, m
     else:  # a lone image is tiled (the larger, the more tokens); two images are 17 base-view tokens each
         counts = [by_id[key]["num_input_tokens"] for key in ("two-images", "chat", "image")]
         assert counts == sorted(counts) and counts[0] < 17 * 2 + 20, counts
+        assert by_id["video"]["num_input_tokens"] >= 24 * 4 + 1  # all 24 frames of the 3 s clip, 2x2 pooled, a newline
 
 
 def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):

@@ -127,7 +127,7 @@ class LLM:
             _, image_refs, video_refs = parse_chat_messages(conversation)
             prompt = self.adapter.apply_chat_template(conversation)
             images = [self.media.image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
-            videos = [self.media.video(ref, f"video[{i}]") for i, ref in enumerate(video_refs)]
+            videos = [self.media.video(ref, f"video[{i}]", convention=self.adapter.frame_convention) for i, ref in enumerate(video_refs)]
             prepared = self.adapter.prepare(prompt, images, videos, max_tokens=sp.max_tokens)
             requests.append((self._next_request_id(), prepared, sp))
         return self._run_in_order(requests, use_tqdm)

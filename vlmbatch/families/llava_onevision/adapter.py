@@ -5,8 +5,8 @@ one list: a lone image is tiled (anyres), but each image of a multi-image prompt
 its base view, padded to a square, `num_image_tokens` + 1 (`image_newline`) tokens. A video
 is its frames resized to one tile, each pooled 2x2 after the projector, plus one newline.
 
-Frames arrive already sampled (`media/video/sampling.py`), so the processor must not sample
-again. The first image item of a prompt carries the prompt's `batch_num_images` (the
+Frames arrive already sampled (`media/video/sampling.py`, under `LLAVA_ONEVISION_FRAMES`),
+so the processor must not sample again. The first image item of a prompt carries the prompt's `batch_num_images` (the
 processor's per-prompt output), so collated items give `generate()` the same rule.
 """
 
@@ -20,12 +20,18 @@ from vlmbatch.families.llava_next.adapter import LlavaNextAdapter
 from vlmbatch.families.prompt import VIDEO, MediaItem
 from vlmbatch.families.qwen2_vl.adapter import _frames_device, _frames_input
 from vlmbatch.media.types import VideoFrames
+from vlmbatch.media.video.sampling import FrameConvention
+
+# The model card's video inference: 32 frames uniformly over the clip (fewer frames of a
+# shorter clip, no repeats); `media_io_kwargs` `num_frames` / `max_frames` change it.
+LLAVA_ONEVISION_FRAMES = FrameConvention(fps=1.0, frame_factor=1, min_frames=32, max_frames=32)
 
 
 class LlavaOnevisionAdapter(LlavaNextAdapter):
     video_token = "<video>"
     video_placeholder = "<video>"
     extra_eos_tokens = ("<|im_end|>", "<|endoftext|>")
+    frame_convention = LLAVA_ONEVISION_FRAMES
 
     def tiles_images(self, num_images: int) -> bool:
         return num_images == 1
