@@ -46,6 +46,20 @@ def media_hash(media: Any) -> str:
     return digest.hexdigest()
 
 
+def sampled_video_inputs(videos: list[VideoFrames]) -> dict[str, Any]:
+    """The processor's arguments for already-sampled videos (so it must not sample again):
+    (T, H, W, 3) uint8 frames, GPU decoders' CUDA tensors kept as they are with `device=`
+    their GPU (the processor's torch code resizes and normalises them there, no host round
+    trip), anything else as numpy (the processor's usual CPU path)."""
+    arrays = [v.frames if isinstance(v.frames, torch.Tensor) else np.asarray(v.frames) for v in videos]
+    kwargs: dict[str, Any] = {"videos": arrays, "do_sample_frames": False}
+    # a row's videos share one backend, so one device; its images keep the CPU path
+    device = next((a.device for a in arrays if isinstance(a, torch.Tensor) and a.device.type != "cpu"), None)
+    if device is not None:
+        kwargs["videos_kwargs"] = {"device": device}
+    return kwargs
+
+
 class ProcessorAdapter(ModelAdapter):
     """A `ModelAdapter` over an HF processor; subclasses set the placeholders below and say
     how the processor's batch splits into one `MediaItem` per image or video."""

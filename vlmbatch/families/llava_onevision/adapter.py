@@ -6,8 +6,9 @@ its base view, padded to a square, `num_image_tokens` + 1 (`image_newline`) toke
 is its frames resized to one tile, each pooled 2x2 after the projector, plus one newline.
 
 Frames arrive already sampled (`media/video/sampling.py`, under `LLAVA_ONEVISION_FRAMES`),
-so the processor must not sample again. The first image item of a prompt carries the prompt's `batch_num_images` (the
-processor's per-prompt output), so collated items give `generate()` the same rule.
+so the processor must not sample again. The first image item of a prompt carries the
+prompt's `batch_num_images` (the processor's per-prompt output), so collated items give
+`generate()` the same rule.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 import torch
 
 from vlmbatch.families.llava_next.adapter import LlavaNextAdapter
+from vlmbatch.families.processor_adapter import sampled_video_inputs
 from vlmbatch.families.prompt import VIDEO, MediaItem
-from vlmbatch.families.qwen2_vl.adapter import _frames_device, _frames_input
 from vlmbatch.media.types import VideoFrames
 from vlmbatch.media.video.sampling import FrameConvention
 
@@ -46,14 +47,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         return [base] * len(sizes)
 
     def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
-        if not videos:
-            return {}
-        arrays = [_frames_input(v) for v in videos]
-        kwargs: dict[str, Any] = {"videos": arrays, "do_sample_frames": False}
-        device = _frames_device(arrays)
-        if device is not None:  # videos only: a row's images keep the CPU path
-            kwargs["videos_kwargs"] = {"device": device}
-        return kwargs
+        return sampled_video_inputs(videos) if videos else {}
 
     def media_items(self, processed: dict[str, torch.Tensor], hashes: list[str]) -> list[MediaItem]:
         items = self.image_items(processed, hashes) if "pixel_values" in processed else []
