@@ -43,7 +43,13 @@ def bench_engine(
     gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for our weights, activations and KV cache."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     async_decode: bool = typer.Option(True, "--async-decode/--sync-decode", help="Launch each decode step before reading the previous one's tokens (the engine's default), or await every step."),
-    json_out: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
+    structured: Optional[str] = typer.Option(None, "--structured", help="Time W1 again under a built-in JSON schema (extraction6: six "
+                                             "fields, the last an open string so rows run to 128 tokens), on our engine and vLLM, "
+                                             "with the mask's cost per step at --mask-batches."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="As --structured, with the JSON schema in this file."),
+    mask_batches: str = typer.Option("64,256", "--mask-batches", help="Batch sizes of the mask-per-step measurement (with a schema)."),
+    grammar_fill_threads: int = typer.Option(1, "--grammar-fill-threads", min=1, help="Threads filling one step's masks (the engine option)."),
+    json_out: Path = typer.Option(Path("bench-out/engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
     from vlmbatch.bench.engine import BenchOptions, run_bench
@@ -57,6 +63,12 @@ def bench_engine(
             raise typer.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}", param_hint=flag)
     if model is None:
         shape_or_exit(model_shape)
+    from vlmbatch.bench.structured_w1 import bench_schema
+
+    try:
+        schema = bench_schema(structured, json_schema)
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--structured / --json-schema") from None
     options = BenchOptions(
         model_shape=model_shape, model=model, requests=requests, peers=peers, peer_requests_w1=peer_requests_w1,
         peer_requests_w2=peer_requests_w2, peer_batches=int_list(peer_batches, "--peer-batches"),
@@ -69,6 +81,7 @@ def bench_engine(
         profile_batches=int_list(profile_batches, "--profile-batches", allow_empty=True), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode,
+        structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"), grammar_fill_threads=grammar_fill_threads,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)
     report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)),

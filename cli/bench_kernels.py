@@ -8,7 +8,7 @@ import typer
 
 
 def bench_kernels(
-    json_out: Path = typer.Option(Path("bench-kernels.json"), "--json", help="Where to write the figures."),
+    json_out: Path = typer.Option(Path("bench-out/kernels.json"), "--json", help="Where to write the figures."),
     config_sweep: bool = typer.Option(True, help="Also sweep launch configs (block sizes, warps, stages)."),
     sections: str = typer.Option("prefill,decode,linear", help="What to time, comma-separated: prefill, decode, linear."),
 ) -> None:

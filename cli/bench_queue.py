@@ -14,7 +14,7 @@ def queue(
     shard_size: int = typer.Option(10_000, "--shard-size", help="Rows per shard."),
     workers: int = typer.Option(2, "--workers", help="Worker commands to start (one CPU process each)."),
     broker: Optional[str] = typer.Option(None, "--broker", help="Use this Redis instead of a private redis-server."),
-    json_out: Path = typer.Option(Path("bench-queue.json"), "--json", help="Where to write the figures."),
+    json_out: Path = typer.Option(Path("bench-out/queue.json"), "--json", help="Where to write the figures."),
 ) -> None:
     """Queue overhead against the in-process runner, worker RSS, and kill -9 recovery time."""
     from vlmbatch.bench.queue import run

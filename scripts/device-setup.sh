@@ -15,5 +15,9 @@ if [ -d /tmp/vparts ] && [ -d .vllm/small ] && [ ! -d /tmp/site-vllm/vllm ]; the
   echo "$(cut -d' ' -f1 .vllm/vllm.sha256)  $wheel" | sha256sum -c --quiet
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-vllm .vllm/small/*.whl "$wheel"
 fi
+# SmolVLM's processor (ours and vLLM's) needs num2words, which the machine lacks.
+if ls .whl/num2words-*.whl >/dev/null 2>&1 && [ -d /tmp/site-vllm/vllm ] && [ ! -d /tmp/site-vllm/num2words ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-vllm .whl/num2words-*.whl
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 set +e

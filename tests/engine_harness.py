@@ -1,7 +1,7 @@
 """Shared by the engine and family tests: mixed requests of every kind, and the transformers reference.
 
 Requests mix text-only prompts, one to `max_images` images of odd sizes (some shared, so
-the encoder cache hits), a video (Qwen families) and exact repeats (so the prefix cache
+the encoder cache hits), a video (Qwen, InternVL and SmolVLM families) and exact repeats (so the prefix cache
 hits); `hf_greedy` is what `transformers` `generate()` gives for the same prepared prompt.
 """
 
@@ -30,23 +30,6 @@ def make_video(seed: int, frames: int = 4) -> VideoFrames:
     return VideoFrames(pixels, [i / 2 for i in range(frames)], sampled_fps=2.0, source_fps=2.0, duration=frames / 2)
 
 
-def media_folder(tmp_path_factory, name: str, images: dict[str, tuple[int, int]]):
-    """A folder for job and server tests: a 3 s h264 clip (`h264_mp4.mp4`, 96x64 at 8 fps),
-    `images` (file name -> (width, height)) and a corrupt `corrupt.png`; skips without ffmpeg."""
-    import pytest
-
-    from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file
-
-    if not ffmpeg_available():
-        pytest.skip("needs ffmpeg to make the test video")
-    folder = tmp_path_factory.mktemp(name)
-    make_video_file(folder, "h264_mp4", width=96, height=64, fps=8, seconds=3)
-    for seed, (file_name, size) in enumerate(images.items(), start=1):
-        make_image(seed, size).save(folder / file_name)
-    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
-    return folder
-
-
 def qwen_prompt(text: str, num_images: int, with_video: bool) -> str:
     media = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
     if with_video:
@@ -58,22 +41,52 @@ def llava_prompt(text: str, num_images: int, with_video: bool) -> str:
     return f"{SYSTEM} USER: " + "<image>\n" * num_images + f"{text} ASSISTANT:"
 
 
+def internvl_prompt(text: str, num_images: int, with_video: bool) -> str:
+    media = "<IMG_CONTEXT>\n" * num_images + ("<video>\n" if with_video else "")
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{media}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def idefics3_prompt(text: str, num_images: int, with_video: bool) -> str:
+    media = "<image>" * num_images + ("<video>" if with_video else "")
+    return f"User:{SYSTEM} {media}{text}<end_of_utterance>\nAssistant:"
+
+
+def smolvlm_prompt(text: str, num_images: int, with_video: bool) -> str:
+    return "<|im_start|>" + idefics3_prompt(text, num_images, with_video)
+
+
+def mistral_prompt(text: str, num_images: int, with_video: bool) -> str:
+    return "[INST] " + "<image>\n" * num_images + f"{SYSTEM} {text} [/INST]"
+
+
+def onevision_prompt(text: str, num_images: int, with_video: bool) -> str:
+    media = "<image>" * num_images + ("<video>" if with_video else "")
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user {media}\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+# by family-name prefix, the first that matches (so llava_next before llava)
+PROMPTS = {"qwen": qwen_prompt, "llava_next": mistral_prompt, "llava_onevision": onevision_prompt, "llava": llava_prompt,
+           "internvl": internvl_prompt, "idefics3": idefics3_prompt,
+           "smolvlm": smolvlm_prompt}
+VIDEO_FAMILIES = ("qwen", "internvl", "smolvlm", "llava_onevision")
+VIDEO_ALONE = ("smolvlm",)  # its prompts take images or videos, not both
+
+
 def build_requests(adapter, family: str, count: int, seed: int, max_images: int = 2,
-                   widths: tuple[int, ...] = (40, 56, 90, 112), heights: tuple[int, ...] = (40, 56, 84),
-                   make_prompt=None, video: bool | None = None):
-    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen,
-    or where `video`), repeats; `make_prompt(text, num_images, with_video)` defaults by family."""
+                   widths: tuple[int, ...] = (40, 56, 90, 112), heights: tuple[int, ...] = (40, 56, 84)):
+    """Mixed requests: text-only, one to `max_images` images (a few shared), a video (Qwen, InternVL, SmolVLM), repeats."""
     rng = random.Random(seed)
     images = [make_image(i, (rng.choice(widths), rng.choice(heights))) for i in range(4)]
-    make_prompt = make_prompt or (qwen_prompt if family.startswith("qwen") else llava_prompt)
-    video = family.startswith("qwen") if video is None else video
+    make_prompt = next(builder for prefix, builder in PROMPTS.items() if family.startswith(prefix))
     requests = []
     for i in range(count):
         if i % 10 == 9:  # an exact repeat: its whole prefix is cached
             requests.append((f"{i}", *requests[-1][1:]))
             continue
         num_images = rng.choice([0, 1, *range(1, max_images + 1)])
-        with_video = video and i % 10 == 4
+        with_video = family.startswith(VIDEO_FAMILIES) and i % 10 == 4
+        if with_video and family.startswith(VIDEO_ALONE):
+            num_images = 0
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
         chosen = [images[rng.randrange(len(images))] for _ in range(num_images)]
         videos = [make_video(i)] if with_video else []
@@ -99,10 +112,10 @@ def run_greedy(engine, adapter, requests) -> tuple[dict, dict]:
     return prepared, run_to_completion(engine)
 
 
-def check_greedy_against_transformers(engine, adapter, hf_model, requests) -> dict:
-    """`run_greedy`, then every request's tokens against `hf_greedy`, and the engine's
-    counters: batching under a small KV cache must have chunked, preempted and hit the
-    prefix and encoder caches. Returns the prepared requests."""
+def assert_greedy_matches_transformers(engine, adapter, hf_model, requests) -> dict:
+    """Run `requests` greedily; every output must equal `generate()`'s tokens, and batching,
+    chunked prefill, preemption and prefix- and encoder-cache hits must all have happened.
+    Returns {id: (prepared prompt, max_tokens)}."""
     prepared, outputs = run_greedy(engine, adapter, requests)
     assert sorted(outputs) == sorted(prepared)
     for request_id, (prompt, max_tokens) in prepared.items():

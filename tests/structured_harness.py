@@ -40,6 +40,15 @@ NESTED_SCHEMA = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def single_torch_thread():
+    """Tiny matmuls are much slower with two threads on a shared 2-core machine (engine tests)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class TinyGrammar:
     """The tiny Qwen checkpoint's tokenizer and vocabulary with one compiler."""
 

@@ -71,6 +71,24 @@ def test_qwen3_folders_keep_the_published_sizes_and_image_tokens(tmp_path, name,
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + tokens
 
 
+def test_smolvlm2_folder_keeps_the_published_sizes_and_one_tile_per_w1_image(tmp_path):
+    from transformers import AutoConfig, AutoProcessor
+
+    from vlmbatch.families.registry import load_adapter
+
+    shape = resolve_shape("smolvlm2_2b")
+    path = write_model_folder(shape, tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["SmolVLMForConditionalGeneration"] and config.scale_factor == 3
+    assert (config.vision_config.image_size, config.vision_config.patch_size, config.vision_config.num_hidden_layers) == (384, 14, 27)
+    assert config.text_config.rope_parameters["rope_theta"] == 273768.0 and config.text_config.num_key_value_heads == 32
+    processor = AutoProcessor.from_pretrained(path)
+    assert processor.image_seq_len == 81 == (384 // 14) ** 2 // 3**2  # what the model's connector makes of one tile
+    assert json.loads((path / "preprocessor_config.json").read_text())["max_image_size"] == {"longest_edge": 384}
+    adapter = load_adapter(str(path))
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 3 + 81  # the global tile and its markers
+
+
 @pytest.mark.parametrize(("name", "tokens"), [("llava_next_7b", 1 + 2928), ("llava_onevision_7b", 3699)])
 def test_llava_folders_tile_a_448_image_as_the_published_models_do(tmp_path, name, tokens):
     """A 448x448 image is a 2x2 grid of tiles plus the base view (LLaVA-NeXT: BOS + 576 base

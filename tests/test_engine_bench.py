@@ -12,7 +12,8 @@ from vlmbatch.bench.roofline import decode_step_cost
 from vlmbatch.bench.timing import RunResult
 
 
-def test_bench_engine_command_runs_our_engine_and_the_hf_peer_and_skips_vllm_on_the_cpu(tmp_path):
+def _bench_engine(tmp_path, *flags: str):
+    """`vlmbatch bench engine` on the tiny shape, W1 only, 4 requests; (CLI result, report)."""
     from vlmbatch.cli.commands import app
 
     out = tmp_path / "engine.json"
@@ -20,15 +21,19 @@ def test_bench_engine_command_runs_our_engine_and_the_hf_peer_and_skips_vllm_on_
     torch.set_num_threads(1)
     try:
         result = CliRunner().invoke(app, [
-            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "4", "--peer", "hf,vllm",
-            "--peer-requests-w1", "3", "--peer-batches", "2", "--workloads", "w1", "--check-prompts", "2",
-            "--decode-steps", "4", "--decode-batches", "2", "--extra-shapes", "", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "600", "--backends", "torch", "--json", str(out),
+            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "4", "--workloads", "w1",
+            "--decode-batches", "2", "--extra-shapes", "", "--max-num-seqs", "4", "--max-num-batched-tokens", "600",
+            "--backends", "torch", "--json", str(out), *flags,
         ])
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    return result, json.loads(out.read_text())
+
+
+def test_bench_engine_command_runs_our_engine_and_the_hf_peer_and_skips_vllm_on_the_cpu(tmp_path):
+    result, report = _bench_engine(tmp_path, "--peer", "hf,vllm", "--peer-requests-w1", "3", "--peer-batches", "2",
+                                   "--check-prompts", "2", "--decode-steps", "4")
     assert report["ok"] and not report["errors"]
     assert report["peers"]["vllm"] == {"status": "skipped", "reason": "vLLM runs on CUDA GPUs only"}
     assert "vllm: skipped (vLLM runs on CUDA GPUs only)" in result.output
@@ -107,3 +112,19 @@ def test_decode_step_cost_of_a_mixture_of_experts_counts_the_experts_a_batch_rea
     many, _ = decode_step_cost(decoder, batch=10_000, context=0)
     assert many == pytest.approx(4 * (dense + 2 * 8 * per_expert))  # a large batch reads every expert
     assert one_flops == 2 * (dense + 2 * 2 * per_expert)
+
+
+def test_bench_engine_times_w1_under_a_schema_with_the_mask_per_step(tmp_path):
+    """`--structured extraction6`: W1 again under the schema ("w1+schema" beside "w1"), rows
+    running to max_tokens (the open `notes` string), and the mask's cost at the asked batch sizes."""
+    result, report = _bench_engine(tmp_path, "--peer", "", "--check-prompts", "1", "--decode-steps", "2",
+                                   "--structured", "extraction6", "--mask-batches", "2,4")
+    assert not report["errors"]
+    runs = {r["workload"]: r for r in report["runs"] if r["engine"] == "paged"}
+    constrained = runs["w1+schema"]["extra"]
+    assert constrained["mask_num_masked_steps"] >= 128 and constrained["mask_fill_ms_per_step"] > 0
+    assert runs["w1+schema"]["output_tokens"] > 3 * 100  # the open string keeps rows going (a few may close)
+    assert [row["batch"] for row in report["structured"]["mask_at_batches"]] == [2, 4]
+    assert all(row["mask_rows_per_step"] > 1 and row["mask_apply_ms_per_step"] > 0 for row in report["structured"]["mask_at_batches"])
+    assert report["structured"]["w1_schema_vs_w1"] > 0 and "W1 under the schema:" in result.output
+    assert "w1+schema" in report["summary"]

@@ -100,6 +100,11 @@ def test_prompt_too_long_counts_media_tokens(qwen):
     assert error.error_type == ErrorType.PROMPT_TOO_LONG
 
 
+def test_processor_options_the_family_does_not_take_are_row_errors(qwen):
+    error = _error(qwen.prepare, f"{QWEN_IMAGE} a", [_image()], processor_kwargs={"max_patches": 2})
+    assert error.error_type == ErrorType.INVALID_ROW and error.param == "mm_processor_kwargs" and "none" in str(error)
+
+
 def test_video_on_llava_is_unsupported(llava):
     error = _error(llava.prepare, "USER: <video> what happens? ASSISTANT:", None, [_video()])
     assert error.error_type == ErrorType.UNSUPPORTED_MEDIA

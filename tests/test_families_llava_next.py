@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import SYSTEM, build_requests, check_greedy_against_transformers, make_image, make_video
-from engine_harness import media_folder as make_media_folder
+from engine_harness import assert_greedy_matches_transformers, build_requests, make_image, make_video, onevision_prompt
+from family_harness import ask, make_media_folder, media_parts, run_job, served_client
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -23,18 +23,6 @@ from vlmbatch.families.registry import load_adapter
 
 ODD_WIDTHS, ODD_HEIGHTS = (37, 64, 97, 131, 200), (29, 56, 61, 150)
 ARCHS = ["llava_next", "llava_onevision"]
-
-
-def onevision_prompt(text: str, num_images: int, with_video: bool) -> str:
-    media = "<image>" * num_images + ("<video>" if with_video else "")
-    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user {media}\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def mistral_prompt(text: str, num_images: int, with_video: bool) -> str:
-    return "[INST] " + "<image>\n" * num_images + f"{SYSTEM} {text} [/INST]"
-
-
-PROMPTS = {"llava_next": mistral_prompt, "llava_onevision": onevision_prompt}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -48,9 +36,8 @@ def _check_against_transformers(llava, count: int, seed: int) -> None:
     arch, adapter, hf_model = llava
     engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=128, block_size=4,
                                                max_num_seqs=6, max_num_batched_tokens=64, min_admission_batch=1))
-    requests = build_requests(adapter, arch, count, seed=seed, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS,
-                              make_prompt=PROMPTS[arch], video=arch == "llava_onevision")
-    prepared = check_greedy_against_transformers(engine, adapter, hf_model, requests)
+    requests = build_requests(adapter, arch, count, seed=seed, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
+    prepared = assert_greedy_matches_transformers(engine, adapter, hf_model, requests)
     tile_counts = {len(item.tensors["pixel_values"]) for p, _ in prepared.values() for item in p.media if item.kind == "image"}
     assert len(tile_counts) >= 3, tile_counts  # several tile grids (OneVision: and base-only images)
     items = [item for p, _ in prepared.values() for item in p.media]
@@ -127,27 +114,26 @@ VIDEO_PROMPTS = {
 
 @pytest.fixture(scope="module")
 def media_folder(tmp_path_factory):
-    return make_media_folder(tmp_path_factory, "llava-media", {"large.png": (131, 150), "wide.jpg": (97, 61)})
+    folder = make_media_folder(tmp_path_factory.mktemp("llava-media"))  # odd.png is 97x61
+    make_image(9, (131, 150)).save(folder / "large.png")  # OneVision: a 4x4 grid, downsampled
+    return folder
 
 
 @pytest.mark.parametrize("arch", [pytest.param("llava_next", marks=pytest.mark.slow), "llava_onevision"])
 def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, media_folder, tmp_path):
     """Images (one, two), a chat row, a corrupt image; a video is a row like any other on
     OneVision and an `unsupported_media` row error on NeXT; the dry run finds the bad rows."""
-    from test_submit_e2e import submit_rows
-
     two = IMAGE_PROMPTS[arch].replace("<image>", "<image><image>")
     rows = [
         {"id": "image", "prompt": IMAGE_PROMPTS[arch], "image": str(media_folder / "large.png")},
-        {"id": "two-images", "prompt": two, "images": [str(media_folder / "large.png"), str(media_folder / "wide.jpg")]},
+        {"id": "two-images", "prompt": two, "images": [str(media_folder / "large.png"), str(media_folder / "odd.png")]},
         {"id": "video", "prompt": VIDEO_PROMPTS[arch], "video": str(media_folder / "h264_mp4.mp4")},
         {"id": "chat", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": str(media_folder / "wide.jpg")}},
+            {"type": "image_url", "image_url": {"url": str(media_folder / "odd.png")}},
             {"type": "text", "text": "What is it?"}]}]},
         {"id": "corrupt", "prompt": IMAGE_PROMPTS[arch], "image": str(media_folder / "corrupt.png")},
     ]
-    dry, by_id = submit_rows(rows, str(tiny_model_dir(arch)), tmp_path)
-    assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
+    by_id = run_job(rows, str(tiny_model_dir(arch)), tmp_path, dry_run_error="media_decode_error")
     assert by_id["corrupt"]["error_type"] == "media_decode_error"
     ok = ["image", "two-images", "chat"] + (["video"] if arch == "llava_onevision" else [])
     for key in ok:
@@ -161,28 +147,18 @@ def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, m
 
 
 def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
+    """OneVision answers images, videos and both; NeXT answers images and refuses a video
+    with a 400 naming `unsupported_media`."""
     import openai
 
-    from server_harness import data_url
-    from vlmbatch.testing.server_process import ServerProcess
-
-    image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "large.png").read_bytes())}}
-    video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
+    image, video = media_parts(media_folder)
     for arch in ARCHS:
         model = str(tiny_model_dir(arch))
-        with ServerProcess(["--model", model, "--allowed-local-media-path", str(media_folder)]) as server:
-            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-
-            def ask(*parts):
-                return client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
-                    max_tokens=3, temperature=0,
-                )
-
+        with served_client(model, media_folder) as client:
             for parts in ([image], [image, image]) + (([video], [image, video]) if arch == "llava_onevision" else ()):
-                reply = ask(*parts)
+                reply = ask(client, model, *parts)
                 assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 20
             if arch == "llava_next":
                 with pytest.raises(openai.BadRequestError) as info:
-                    ask(video)
+                    ask(client, model, video)
                 assert info.value.code == "unsupported_media"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import build_requests, check_greedy_against_transformers, make_video, qwen_prompt
-from engine_harness import media_folder as make_media_folder
+from engine_harness import assert_greedy_matches_transformers, build_requests, make_video, qwen_prompt
+from family_harness import ask, make_media_folder, media_parts, run_job, served_client
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.loading import load_hf_model
@@ -33,7 +33,7 @@ def test_fifty_mixed_requests_match_transformers(qwen3):
     engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=96, block_size=4,
                                                max_num_seqs=6, max_num_batched_tokens=48, min_admission_batch=1))
     requests = build_requests(adapter, "qwen3_vl", 50, seed=3, max_images=3, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
-    check_greedy_against_transformers(engine, adapter, hf_model, requests)
+    assert_greedy_matches_transformers(engine, adapter, hf_model, requests)
     assert {len(images) for _, _, images, _, _ in requests} == {0, 1, 2, 3}
     assert any(videos for *_, videos, _ in requests)
 
@@ -59,13 +59,11 @@ IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Des
 
 @pytest.fixture(scope="module")
 def media_folder(tmp_path_factory):
-    return make_media_folder(tmp_path_factory, "qwen3-media", {"odd.png": (97, 61)})
+    return make_media_folder(tmp_path_factory.mktemp("qwen3-media"))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_vl_moe"])
 def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, media_folder, tmp_path):
-    from test_submit_e2e import submit_rows
-
     rows = [
         {"id": "image", "prompt": IMAGE_PROMPT, "image": str(media_folder / "odd.png")},
         {"id": "video", "prompt": VIDEO_PROMPT, "video": str(media_folder / "h264_mp4.mp4")},
@@ -76,8 +74,7 @@ def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, 
             {"type": "text", "text": "What happens?"}]}]},
         {"id": "corrupt", "prompt": IMAGE_PROMPT, "image": str(media_folder / "corrupt.png")},
     ]
-    dry, by_id = submit_rows(rows, str(tiny_model_dir(arch)), tmp_path)
-    assert dry.returncode == 1 and "media_decode_error" in dry.stdout + dry.stderr, dry.stderr[-2000:]
+    by_id = run_job(rows, str(tiny_model_dir(arch)), tmp_path, "media_decode_error")
     assert by_id["corrupt"]["error_type"] == "media_decode_error"
     for key in ("image", "video", "video-2-frames", "chat"):
         assert by_id[key]["error_type"] is None and by_id[key]["num_generated_tokens"] == 4, by_id[key]
@@ -85,20 +82,9 @@ def test_a_job_with_images_videos_and_a_bad_row_completes(arch, tiny_model_dir, 
 
 
 def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
-    import openai
-
-    from server_harness import data_url
-    from vlmbatch.testing.server_process import ServerProcess
-
     model = str(tiny_model_dir("qwen3_vl_moe"))
-    args = ["--model", model, "--allowed-local-media-path", str(media_folder), "--media-io-kwargs", '{"video": {"num_frames": 4}}']
-    with ServerProcess(args) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        image = {"type": "image_url", "image_url": {"url": data_url((media_folder / "odd.png").read_bytes())}}
-        video = {"type": "video_url", "video_url": {"url": f"file://{media_folder / 'h264_mp4.mp4'}"}}
+    image, video = media_parts(media_folder)
+    with served_client(model, media_folder) as client:
         for parts in ([image], [video], [image, video]):
-            reply = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
-                max_tokens=3, temperature=0,
-            )
+            reply = ask(client, model, *parts)
             assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 20

@@ -14,7 +14,8 @@ from vlmbatch.engine.llm import LLM
 from vlmbatch.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
-ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "llava_next", "llava_onevision"]
+ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "internvl", "idefics3", "smolvlm", "llava_next",
+         "llava_onevision"]
 
 
 def _image(h: int, w: int, seed: int) -> Image.Image:
@@ -29,8 +30,10 @@ def _cases(arch: str) -> list[tuple[str, list[Image.Image]]]:
             ("USER: <image>\n<image>\nWhat is the same in both? ASSISTANT:", [_image(56, 56, 2), _image(90, 70, 3)]),
             ("USER: <image>\nThe cat sits on the mat. What color is the car? ASSISTANT:", [_image(70, 70, 4)]),
         ]
-    ph = "<|vision_start|><|image_pad|><|vision_end|>"
+    ph = "<IMG_CONTEXT>\n" if arch == "internvl" else "<|vision_start|><|image_pad|><|vision_end|>"
     turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    if arch in ("idefics3", "smolvlm"):  # images split into 2x3, 3x3 and 3x3 tiles, each plus its global image
+        ph, turn = "<image>", ("<|im_start|>" if arch == "smolvlm" else "") + "User:{}<end_of_utterance>\nAssistant:"
     return [
         (turn.format(f"{ph}Describe the image."), [_image(60, 80, 1)]),  # 4 image tokens
         (turn.format(f"{ph}{ph}What is the same in both?"), [_image(56, 56, 2), _image(140, 112, 3)]),
@@ -49,7 +52,8 @@ def _hf_generate(
 ) -> list[list[int]]:
     """The reference: the checkpoint's own processor and `generate()`, nothing of ours."""
     processor, model = _hf_model(path, device, dtype)
-    # one list per prompt: LLaVA-OneVision tiles only the lone image of a prompt
+    # each prompt's images as a list of their own: every processor takes that (SmolVLM's only that),
+    # and LLaVA-OneVision tiles only the lone image of a prompt
     inputs = processor(text=prompts, images=images, padding=True, padding_side="left", return_tensors="pt")
     inputs = inputs.to(device, dtype=dtype)  # casts the pixels only, as our engine does
     with torch.inference_mode():

@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 import pytest
 from s3_harness import S3Endpoint
 
-from vlmbatch.io import storage
 from vlmbatch.io.atomic import write_new
 from vlmbatch.io.manifest import Manifest
 from vlmbatch.io.readers import open_dataset

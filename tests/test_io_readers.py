@@ -92,7 +92,8 @@ def test_openai_batch_lines_map_to_row_contract(tmp_path: Path) -> None:
         tmp_path / "batch.jsonl",
         [
             line("req-1", {"model": "m", "messages": messages, "max_tokens": 7, "temperature": 0}),
-            line("req-2", {"model": "m", "messages": messages, "max_completion_tokens": 9, "seed": 3}),
+            line("req-2", {"model": "m", "messages": messages, "max_completion_tokens": 9, "seed": 3,
+                           "mm_processor_kwargs": {"max_patches": 2}}),
             line("req-3", {"model": "m", "input": "x"}, url="/v1/embeddings"),
             line("req-4", {"model": "m"}),
         ],
@@ -102,7 +103,7 @@ def test_openai_batch_lines_map_to_row_contract(tmp_path: Path) -> None:
     assert reader.columns.id == "custom_id"
     rows = dict(all_rows(reader))
     assert rows[0] == {"custom_id": "req-1", "messages": messages, "max_tokens": 7, "temperature": 0}
-    assert rows[1] == {"custom_id": "req-2", "messages": messages, "max_tokens": 9, "seed": 3}
+    assert rows[1] == {"custom_id": "req-2", "messages": messages, "max_tokens": 9, "seed": 3, "mm_processor_kwargs": {"max_patches": 2}}
     assert isinstance(rows[2], RowError) and "/v1/embeddings" in rows[2].message
     assert isinstance(rows[3], RowError) and rows[3].param == "body.messages"
 

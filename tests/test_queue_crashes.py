@@ -15,7 +15,6 @@ from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
 from vlmbatch.errors import ErrorType
 from vlmbatch.workers.runtime import pid_of
 
-pytestmark = pytest.mark.slow
 
 # Loaded by every Python process of the poison test's workers (PYTHONPATH): a decoder that
 # takes its process down on one particular image, as a native library crash would.
@@ -35,6 +34,7 @@ Image.open = _open_or_die
 """
 
 
+@pytest.mark.slow
 def test_kill9_of_random_workers_five_times(tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path) -> None:
     image = tmp_path / "image.png"
     Image.new("RGB", (32, 32), "white").save(image)

@@ -12,7 +12,6 @@ import pytest
 import queue_harness as qh
 from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.slow
 
 
 def _pool_processes(worker: qh.WorkerCommand) -> list[psutil.Process]:
@@ -28,7 +27,7 @@ def _pool_processes(worker: qh.WorkerCommand) -> list[psutil.Process]:
     return descendants if pool_started else []
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGQUIT", "SIGKILL"])
+@pytest.mark.parametrize("how", [pytest.param("SIGTERM", marks=pytest.mark.slow), pytest.param("SIGQUIT", marks=pytest.mark.slow), "SIGKILL"])
 def test_the_pool_ends_with_its_worker_process(how: str, tmp_path: Path, redis_server: qh.RedisServer,
                                                start_worker, tiny_qwen: Path) -> None:
     worker = start_worker(tiny_qwen, redis_server.url)

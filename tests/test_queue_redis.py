@@ -14,7 +14,6 @@ from vlmbatch.job.parts import committed_shards
 from vlmbatch.job.queue import job_status
 from vlmbatch.workers.local import VLMBATCH
 
-pytestmark = pytest.mark.slow
 
 
 def test_redis_kill9_and_restart_mid_job(tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path) -> None:
@@ -31,6 +30,7 @@ def test_redis_kill9_and_restart_mid_job(tmp_path: Path, redis_server: qh.RedisS
     qh.assert_job_completed(job_dir, redis_server.url)
 
 
+@pytest.mark.slow
 def test_resume_rebuilds_a_job_after_redis_lost_everything(
     tmp_path: Path, redis_server: qh.RedisServer, start_worker, tiny_qwen: Path
 ) -> None:

@@ -36,20 +36,6 @@ def vlmbatch(*args: str, cwd: Path | None = None, env: dict[str, str] | None = N
     )
 
 
-def submit_rows(rows: list[dict], model: str, tmp_path: Path, max_tokens: int = 4) -> tuple[subprocess.CompletedProcess, dict]:
-    """`rows` as a JSONL dataset through a dry run, then a job: (the dry run, result rows by id
-    read back with DuckDB). The job must succeed; what the dry run says is the caller's."""
-    dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    dry = vlmbatch("submit", str(dataset), "--model", model, "--dry-run", env={"VLMBATCH_PREPROCESS_WORKERS": "0"})
-    done = vlmbatch("submit", str(dataset), "--model", model, "--output", str(tmp_path / "out"), "--max-tokens", str(max_tokens),
-                    env={"VLMBATCH_PREPROCESS_WORKERS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = tmp_path / "out" / done.stdout.split()[0] / "results"
-    table = duckdb.sql(f"select * from read_parquet('{results}/*.parquet')").arrow().read_all()
-    return dry, {r["id"]: r for r in table.to_pylist()}
-
-
 def png_bytes(color: str = "red", size: tuple[int, int] = (64, 48)) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", size, color).save(buffer, format="PNG")

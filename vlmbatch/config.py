@@ -171,6 +171,8 @@ class EngineConfig(Options):
     pdl: bool = option(True, "VLMBATCH_PDL", help="programmatic dependent launch in small decode graphs (Hopper+)")
     gpu_image_decode: str = option("auto", "VLMBATCH_GPU_IMAGE_DECODE", parse=_lower, choices=GPU_IMAGE_DECODE,
                                    help="JPEGs decoded by nvJPEG in the engine process (auto: paged engine on CUDA)")
+    grammar_fill_threads: int = option(1, "VLMBATCH_GRAMMAR_FILL_THREADS",
+                                       help="threads filling one step's structured-output masks (xgrammar's batch fill, GIL released)")
     seed: int = option(0, "VLMBATCH_SEED", help="seeds torch, so unseeded sampling repeats run to run")
     trust_remote_code: bool = option(False, "VLMBATCH_TRUST_REMOTE_CODE", help="allow a checkpoint's own Python code")
 

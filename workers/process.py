@@ -62,7 +62,6 @@ def serve(model: str, broker_url: str, slot: str, dry_run: bool, configs: Proces
     preparer = RowPreparer(configs.worker, configs.media)  # one preprocessing pool for every shard this process runs
     llm = None
     if not dry_run:
-        from vlmbatch.config import EngineConfig
         from vlmbatch.job.plan import load_llm
 
         preparer.start_fork_server()  # its imports overlap the model load

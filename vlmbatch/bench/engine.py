@@ -8,7 +8,9 @@ checkpoint, the phases run in this order, each recorded even when another fails:
 3. the `generate()` peer on W1/W2, warmed up and timed at each batch size (`bench.peers.hf`);
 4. logits of prefill + forced decode steps per attention backend against `transformers`
    fp32 on the same weights, then asynchronous decoding against awaited steps;
-5. W1 and W2 on our engine (the peers' requests, images and output lengths);
+5. W1 and W2 on our engine (the peers' requests, images and output lengths); with a schema
+   (`structured_schema`), W1 again under it (workload "w1+schema", on vLLM too) and the mask's
+   cost per step at `mask_batches` (`bench.structured_w1`);
 6. decode-step time against the roofline at a few batch sizes, for this and other shapes.
 The report (JSON) is saved after every phase; it ends with our rate, each peer's, and the
 ratios ours / vLLM and ours / the best `generate()` batch size.
@@ -32,6 +34,7 @@ from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
+from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, use_full_size_vocab, warm_compile
 from vlmbatch.bench.timing import RunResult, run_engine
 from vlmbatch.bench.workloads import W2_OUTPUT_RANGE, Workload, build_workload, workload_prompt_tokens
 
@@ -67,6 +70,9 @@ class BenchOptions:
     min_admission_batch: int = 64
     async_decode: bool = True  # False: every decode step awaited
     device: str = "auto"
+    structured_schema: dict[str, Any] | None = None  # W1 again under this JSON schema ("w1+schema")
+    mask_batches: tuple[int, ...] = (64, 256)  # batch sizes the mask's cost per step is measured at
+    grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads of the timed engine
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
@@ -169,6 +175,7 @@ def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device
         max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
         attention_backend=options.attention_backend, async_decode=options.async_decode,
+        grammar_fill_threads=options.grammar_fill_threads,
     )
 
 
@@ -291,6 +298,9 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
             result = phases.run(f"paged-{name}", _timed_run, engine, workload.head(options.requests), dtype)
             if result is not None:
                 record(result)
+        if options.structured_schema is not None and "w1" in workloads:
+            phases.run("paged-w1-schema", _structured_phases, engine, workloads["w1"].head(options.requests), dtype, options, report,
+                       record, echo)
         owned = [engine]  # handed over: each other shape's engine is built once this one is freed
         del engine
         _rooflines(owned, [shape, *extra_shapes], options, Path(tmp), dtype, device, ceilings, report, phases, echo)
@@ -335,6 +345,29 @@ def _timed_run(engine, workload: Workload, dtype: torch.dtype) -> RunResult:
                       workload.name)
 
 
+def _structured_phases(engine, workload: Workload, dtype: torch.dtype, options: BenchOptions, report: dict[str, Any],
+                       record: Callable[[RunResult], None], echo: Callable[[str], None]) -> None:
+    """W1 under the schema ("w1+schema", beside "w1" in the summary), then the mask at fixed batch sizes."""
+    schema = options.structured_schema
+    vocab = use_full_size_vocab(engine)
+    report["structured"] = {"schema": schema, "grammar_vocab_size": vocab, "compile_s": warm_compile(engine, schema)}
+    echo(f"structured: grammars over a {vocab}-token vocabulary, schema compiled in {report['structured']['compile_s']:.2f} s")
+    prompts, lengths = adapt.engine_prompts(workload, engine.adapter, dtype), [r.output_tokens for r in workload.requests]
+    result = structured_run(engine, prompts, lengths, "w1+schema", schema)  # beside vLLM's "w1+schema" in the summary
+    record(result)
+    x = result.extra
+    echo(f"  mask over W1: fill {x['mask_fill_ms_per_step']:.3f} ms + apply {x['mask_apply_ms_per_step']:.3f} ms per step "
+         f"({x['mask_rows_per_step']:.0f} rows on average)")
+    rows = report["structured"]["mask_at_batches"] = mask_at_batches(engine, prompts, lengths, options.mask_batches, schema)
+    for row in rows:
+        echo(mask_row(row))
+    free = report.get("summary", {}).get("w1", {}).get("paged_requests_per_s")
+    if free:
+        report["structured"]["w1_schema_vs_w1"] = result.requests_per_s / free
+        echo(f"W1 under the schema: {result.requests_per_s:.2f} req/s = {100 * result.requests_per_s / free:.1f}% of W1 without "
+             f"({result.output_tokens} of {sum(lengths)} tokens generated)")
+
+
 def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapter, workloads: dict[str, Workload], workdir: Path,
                env: dict[str, str], report: dict[str, Any], record: Callable[[RunResult], None], echo: Callable[[str], None]) -> None:
     """vLLM on the same workloads in a child process (`bench.peers.vllm`); skipped, with the
@@ -348,8 +381,10 @@ def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapte
     warmup = build_workload("w1", adapter, VLLM_WARMUP_REQUESTS, seed=99)
     free_before = torch.cuda.mem_get_info(device)[0]
     echo(f"vllm: {len(timed)} workloads of {options.requests} requests after {VLLM_WARMUP_REQUESTS} warm-up requests, in a child process")
+    structured = {"workload": "w1", "schema": options.structured_schema} if options.structured_schema and "w1" in timed else None
     result = run_vllm_peer(folder, "auto" if options.model else "dummy", warmup, list(timed.values()),
-                           options.vllm_gpu_memory_utilization, options.vllm_timeout_s, workdir, env, list(options.vllm_pythonpath))
+                           options.vllm_gpu_memory_utilization, options.vllm_timeout_s, workdir, env, list(options.vllm_pythonpath),
+                           structured)
     _wait_for_memory(device, free_before)
     if "skipped" in result:
         report["peers"]["vllm"] = {"status": "skipped", "reason": result["skipped"]}
@@ -358,11 +393,12 @@ def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapte
     report["peers"]["vllm"] = {"status": "ran", **{k: result[k] for k in ("vllm_version", "load_s", "warmup_s") if k in result}}
     problems = []
     for run in result["runs"]:
-        workload = timed[run["workload"]]
+        constrained = run["workload"] == "w1+schema"  # its lengths are the grammar's: not forced
+        workload = timed["w1" if constrained else run["workload"]]
         same = run["fingerprint"] == workload.fingerprint()
         extra = {k: run[k] for k in ("prompt_tokens", "image_tokens", "lengths_as_forced")}
         record(RunResult("vllm", run["workload"], run["requests"], run["seconds"], run["output_tokens"], extra=dict(extra, same_requests=same)))
-        problem = _vllm_mismatch(workload, run, same)
+        problem = _vllm_mismatch(workload, dict(run, lengths_as_forced=True) if constrained else run, same)
         if problem:
             problems.append(f"{run['workload']}: {problem}")
     if "error" in result or problems:

@@ -143,5 +143,6 @@ def run(rows: int, shard_size: int, workers: int, broker: str | None, json_out: 
         table.add_row(f"worker {i} RSS MiB (start → peak → end)", rss)
     table.add_row("kill -9 → shard running again", f"{recovery:.1f} s")
     console.print(table)
+    json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(figures, indent=2))
     console.print(f"wrote {json_out}")

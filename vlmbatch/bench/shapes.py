@@ -32,7 +32,8 @@ class ModelShape:
     vision: dict[str, Any] = field(default_factory=dict)  # vision_config values
     top: dict[str, Any] = field(default_factory=dict)  # top-level config values
     image_processor: dict[str, Any] = field(default_factory=dict)  # image processor values (`size` bounds, patch...)
-    processor: dict[str, Any] = field(default_factory=dict)  # processor values (LLaVA-OneVision's `num_image_tokens`)
+    video_processor: dict[str, Any] = field(default_factory=dict)  # video processor values (InternVL: frame size)
+    processor: dict[str, Any] = field(default_factory=dict)  # processor values (InternVL: tokens a tile; SmolVLM: `image_seq_len`)
     text_json_extra: dict[str, Any] = field(default_factory=dict)  # written into config.json's text_config for older readers
     source: str = ""
 
@@ -59,6 +60,32 @@ _LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 
 # LLaVA-OneVision (llava-onevision-qwen2-7b-ov-hf): SigLIP-so400m/384 without its last layer,
 # every 1..6 x 1..6 grid of 384 px tiles, anyres_max_9; a 448x448 image is 3,699 tokens.
 _ONEVISION_PINPOINTS = [[384 * rows, 384 * cols] for rows in range(1, 7) for cols in range(1, 7)]
+# InternVL3-8B-hf: InternViT-300M-448px-V2.5 (CLS token, layer scale, LayerNorm, q/k/v biases),
+# 0.5 pixel shuffle (256 tokens a 448 px tile), Qwen2.5-7B; the image processor's own
+# ImageNet mean/std and 448 px tiles, up to 12 of them plus the thumbnail. Its rope_scaling
+# (dynamic, factor 2) only acts past max_position_embeddings (32768): the default rope here.
+_INTERNVL3_8B = dict(
+    text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+              vocab_size=151674, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+              architectures=["Qwen2ForCausalLM"]),  # vLLM builds the inner language model from it
+    vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=[448, 448],
+                patch_size=[14, 14], attention_bias=True, norm_type="layer_norm", use_qk_norm=False, layer_norm_eps=1e-6,
+                layer_scale_init_value=0.1, use_mean_pooling=True),
+    top={"tie_word_embeddings": False, "image_seq_length": 256, "downsample_ratio": 0.5},
+    image_processor={"size": {"height": 448, "width": 448}, "max_patches": 12, "min_patches": 1,
+                     "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]},
+    video_processor={"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+                     "image_std": [0.229, 0.224, 0.225]},
+    processor={"image_seq_length": 256},
+)
+# SmolVLM2-2.2B: SigLIP-SO400M on 384 px tiles (27 x 27 patches of 14 px), a 3x3 pixel
+# shuffle (81 tokens a tile), SmolLM2-1.7B with its context stretched to 16k (RoPE base
+# 273768). The published processor upscales images to a longest edge of 1536 px and splits
+# them into 384 px tiles (448x448: 4x4 tiles + the global image, 1,377 tokens, which no
+# 288-token prompt holds); W1 here bounds the longest edge to one tile, so a 448x448 image is
+# the global tile alone (84 tokens with its markers) on every engine.
+_SMOLVLM_IMAGE = {"size": {"longest_edge": 384}, "max_image_size": {"longest_edge": 384}}
 
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("tiny", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
@@ -112,8 +139,26 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                            image_size=384, patch_size=14),
                top={"image_grid_pinpoints": _ONEVISION_PINPOINTS, "tie_word_embeddings": False},
                image_processor={"size": {"height": 384, "width": 384}, "image_grid_pinpoints": _ONEVISION_PINPOINTS},
+               video_processor={"size": {"height": 384, "width": 384}},  # frames of one tile (vLLM profiles a video)
                processor={"num_image_tokens": 729},  # (384 / 14) ** 2 patches per tile
                source="llava-hf/llava-onevision-qwen2-7b-ov-hf config.json"),
+    ModelShape("tiny_internvl", "internvl", "InternVLForConditionalGeneration",
+               source="the tiny InternVL3 test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("internvl3_8b", "internvl", "InternVLForConditionalGeneration", **_INTERNVL3_8B,
+               source="OpenGVLab/InternVL3-8B-hf config.json and processor"),
+    ModelShape("tiny_smolvlm", "smolvlm", "SmolVLMForConditionalGeneration",
+               source="the tiny SmolVLM test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("smolvlm2_2b", "smolvlm", "SmolVLMForConditionalGeneration",
+               text=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                         num_key_value_heads=32, head_dim=64, vocab_size=49280, max_position_embeddings=16384,
+                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 273768.0},
+                         tie_word_embeddings=False),
+               vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           patch_size=14, image_size=384),
+               top={"scale_factor": 3, "tie_word_embeddings": False}, image_processor=_SMOLVLM_IMAGE,
+               processor={"image_seq_len": 81},
+               source="HuggingFaceTB/SmolVLM2-2.2B-Instruct config.json (SmolVLM paper: SigLIP-SO400M + SmolLM2-1.7B, "
+                      "RoPE base 273k, 16k context); W1's image bound above"),
 )}
 ALIASES = {"3b": "qwen2_5_vl_3b", "7b": "qwen2_5_vl_7b"}
 
@@ -167,14 +212,17 @@ def write_model_folder(shape: ModelShape, root: Path) -> Path:
         written = json.loads((path / "config.json").read_text())
         written["text_config"].update(shape.text_json_extra)
         (path / "config.json").write_text(json.dumps(written, indent=2))
-    if shape.image_processor or shape.processor:
+    if shape.image_processor or shape.video_processor or shape.processor:
         processor = AutoProcessor.from_pretrained(path)
-        for key, value in shape.image_processor.items():
-            setattr(processor.image_processor, key, value)
-        for key, value in shape.processor.items():
-            setattr(processor, key, value)
+        parts = ((processor.image_processor, shape.image_processor), (processor, shape.processor),
+                 (getattr(processor, "video_processor", None), shape.video_processor))
+        for target, values in parts:
+            for key, value in values.items():
+                setattr(target, key, value)
         processor.save_pretrained(path)
         processor.image_processor.save_pretrained(path)  # preprocessor_config.json, which other readers take
+        if shape.video_processor:
+            processor.video_processor.save_pretrained(path)  # video_preprocessor_config.json
     return path
 
 

@@ -42,15 +42,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], workload: str) -> RunResult:
+def _stats(engine) -> dict[str, Any]:
+    """`EngineStats` and the structured-output mask counters (prefixed `mask_`)."""
+    return {**asdict(engine.stats), **{f"mask_{k}": v for k, v in asdict(engine.structured.stats).items()}}
+
+
+def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], workload: str, structured_output: Any = None) -> RunResult:
     """All requests queued at once (their queueing counted), stepped to the end; the
     decode-step time is the median wall time of decode steps (each ends in a host copy of
-    the sampled tokens, so it is synced). `extra` holds this run's share of `EngineStats`."""
-    stats_before = asdict(engine.stats)
+    the sampled tokens, so it is synced). `extra` holds this run's share of `EngineStats`.
+    `structured_output` (a `StructuredOutput`) constrains every request."""
+    stats_before = _stats(engine)
     engine.time_phases = True
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(f"{workload}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        engine.add_request(f"{workload}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                                     structured_output=structured_output))
     queued_s = time.perf_counter() - start
     decode_times = []
     while engine.has_unfinished_requests():
@@ -60,7 +67,7 @@ def run_engine(engine, prompts: list[PreparedPrompt], lengths: list[int], worklo
         if engine.stats.num_decode_steps > was_decode:
             decode_times.append(time.perf_counter() - step_start)
     seconds = time.perf_counter() - start
-    stats = {k: v - stats_before[k] for k, v in asdict(engine.stats).items()}
+    stats = {k: v - stats_before[k] for k, v in _stats(engine).items()}
     stats["add_request_s"] = queued_s
     return RunResult("paged", workload, len(prompts), seconds, stats["num_generated_tokens"],
                      1000 * statistics.median(decode_times) if decode_times else None, stats)

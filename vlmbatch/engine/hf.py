@@ -3,6 +3,8 @@
 It is deliberately plain, because it is the oracle the fast engine is checked against and
 its peer in benchmarks. Each `step()` runs one static batch of requests that share their
 sampling settings, then cuts every request at its own end (max_tokens, EOS, stop string).
+Structured outputs are a logits processor (`_GrammarMasks`) over the same matchers and
+bitmasks as the paged engine's, so both give the same constrained greedy tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.base import Engine
@@ -22,8 +24,10 @@ from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.stopping import find_stop
+from vlmbatch.engine.structured_decoding import GrammarState, StructuredDecoding
+from vlmbatch.errors import RowError
 from vlmbatch.families.adapter import ModelAdapter
-from vlmbatch.families.prompt import PreparedPrompt, collate
+from vlmbatch.families.prompt import PreparedPrompt
 
 DEFAULT_MAX_BATCH_SIZE = 64
 
@@ -70,7 +74,7 @@ def generate_inputs(hf_model: torch.nn.Module, adapter: ModelAdapter, prompts: l
     inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
     if "mm_token_type_ids" in inspect.signature(hf_model.forward).parameters:
         inputs["mm_token_type_ids"] = adapter.mm_token_type_ids(input_ids)
-    inputs.update(collate([item for p in prompts for item in p.media]))
+    inputs.update(adapter.hf_media_inputs([item for p in prompts for item in p.media]))
     device, dtype = next(hf_model.parameters()).device, hf_model.dtype
     return {k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device) for k, v in inputs.items()}
 
@@ -97,6 +101,26 @@ class _RequestsDone(StoppingCriteria):
         return done
 
 
+class _GrammarMasks(LogitsProcessor):
+    """Masks the constrained rows' scores each step (before HF's temperature / top-k / top-p
+    warpers, as the paged engine masks before sampling); each row's matcher first accepts the
+    token generated last. A row whose matcher refused a token (a dead end, or padding after
+    its end) is left alone from then on; `HFEngine._completion` re-checks the kept tokens."""
+
+    def __init__(self, structured: StructuredDecoding, states: list[GrammarState | None], prompt_len: int):
+        self.structured, self.prompt_len = structured, prompt_len
+        self.live = {row: state for row, state in enumerate(states) if state is not None}
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_len:
+            last = input_ids[:, -1].tolist()
+            for row, state in list(self.live.items()):
+                if not state.accept(last[row]) or state.is_terminated:
+                    del self.live[row]
+        self.structured.mask(list(self.live.items()), scores)
+        return scores
+
+
 class HFEngine(Engine):
     name = "hf"
 
@@ -114,11 +138,17 @@ class HFEngine(Engine):
         self.eos_token_ids = set(adapter.eos_token_ids)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
+        self.structured = StructuredDecoding(self.tokenizer, model.get_output_embeddings().weight.shape[0],
+                                             list(adapter.eos_token_ids), self.device, self.max_batch_size,
+                                             config.grammar_fill_threads)
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
 
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        """A constrained request ends when its grammar does, so it honours EOS (as in the paged engine)."""
         if request_id in self._waiting:
             raise ValueError(f"request {request_id!r} is already queued")
+        if params.structured_output is not None and params.ignore_eos:
+            params = replace(params, ignore_eos=False)
         self._waiting[request_id] = _Request(request_id, prompt, params)
 
     def abort_request(self, request_id: str) -> None:
@@ -169,37 +199,53 @@ class HFEngine(Engine):
             **sampling,
         )
 
+    def _grammar_states(self, batch: list[_Request]) -> tuple[list[_Request], list[GrammarState | None], list[RequestOutput]]:
+        """Each row's started grammar (None: free), waiting for its compile; requests whose
+        spec cannot be compiled come back as finished outputs with their error instead."""
+        kept, states, failed = [], [], []
+        for request in batch:
+            spec, n = request.params.structured_output, request.params.n
+            row_states = [self.structured.submit(spec) for _ in range(n)] if spec is not None else [None] * n
+            error = next((e for e in (state.start() for state in row_states if state is not None) if e is not None), None)
+            if error is not None:
+                failed.append(self._output(request, [CompletionOutput(i, "", [], "error", error=error) for i in range(n)]))
+                continue
+            kept.append(request)
+            states.extend(row_states)
+        return kept, states, failed
+
     @torch.inference_mode()
     def _run_batch(self, batch: list[_Request]) -> list[RequestOutput]:
+        batch, states, results = self._grammar_states(batch)
+        if not batch:
+            return results
         params = batch[0].params
         inputs = self._collate(batch)
         prompt_len = inputs["input_ids"].shape[1]
         row_params = [r.params for r in batch for _ in range(params.n)]
         config = self._generation_config(params, max(r.params.max_tokens for r in batch))
         stopping = StoppingCriteriaList([_RequestsDone(self, row_params, prompt_len)])
+        masks = LogitsProcessorList([_GrammarMasks(self.structured, states, prompt_len)] if any(states) else [])
         seeded = params.seed is not None and not params.greedy
         # A seeded request gets its own RNG stream and leaves the shared one untouched.
         rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [], enabled=seeded)
         with rng:
             if seeded:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(**inputs, generation_config=config, stopping_criteria=stopping)
+            out = self.model.generate(**inputs, generation_config=config, stopping_criteria=stopping, logits_processor=masks)
         rows = out[:, prompt_len:].tolist()
-        results = []
         for i, request in enumerate(batch):
+            row = i * params.n
             completions = [
-                self._completion(index, rows[i * params.n + index], request.params) for index in range(params.n)
+                self._completion(index, rows[row + index], request.params, states[row + index]) for index in range(params.n)
             ]
-            results.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    prompt=request.prompt.prompt,
-                    prompt_token_ids=list(request.prompt.prompt_token_ids),
-                    outputs=completions,
-                    finished=True,
-                )
-            )
+            results.append(self._output(request, completions))
         return results
+
+    @staticmethod
+    def _output(request: _Request, completions: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt.prompt,
+                             prompt_token_ids=list(request.prompt.prompt_token_ids), outputs=completions, finished=True)
 
     def _ending(self, tokens: list[int], params: SamplingParams) -> _Ending:
         """Where a generated row ends for `params`: the earliest of EOS, a stop string and
@@ -225,14 +271,21 @@ class HFEngine(Engine):
                 return _Ending(length, "stop", hit[1], text[: hit[0]])
         raise AssertionError("a stop string was found in the full text but in no prefix")
 
-    def _completion(self, index: int, tokens: list[int], params: SamplingParams) -> CompletionOutput:
+    def _completion(self, index: int, tokens: list[int], params: SamplingParams, grammar: GrammarState | None) -> CompletionOutput:
         ending = self._ending(tokens, params)
         kept = tokens[: ending.length]
         text = ending.text if ending.text is not None else self.tokenizer.decode(kept, skip_special_tokens=True)
+        error: RowError | None = None
+        if grammar is not None:  # the matcher replays the kept tokens (the processor saw all but the last)
+            if not grammar.sync(kept):
+                error = grammar.dead_end()
+            elif ending.finish_reason == "length":
+                error = grammar.incomplete()
         return CompletionOutput(
             index=index,
             text=text,
             token_ids=kept,
             finish_reason=ending.finish_reason,
             stop_reason=ending.stop_reason,
+            error=error,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from vlmbatch.config import EngineConfig, MediaConfig
@@ -17,6 +18,7 @@ from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.families.prompt import PreparedPrompt
 from vlmbatch.families.registry import load_adapter
+from vlmbatch.structured.spec import STRUCTURED_KEYS, parse_structured_output, resolve
 
 PromptInput = str | dict[str, Any]
 Request = tuple[str, PreparedPrompt, SamplingParams]
@@ -37,6 +39,24 @@ def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | Non
     params = list(sampling_params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params
+
+
+def _constrained(params: list[SamplingParams], structured: dict[str, Any]) -> list[SamplingParams]:
+    """`generate`/`chat`'s vLLM-like keywords (`response_format=`, `guided_json=` (a schema or a
+    pydantic model class), `guided_choice=`, `guided_regex=`, `guided_grammar=`) over every
+    prompt's params; then every distinct spec is checked, so a bad one raises its `RowError`
+    (`invalid_row`, `param` naming the key) before anything runs."""
+    from vlmbatch.structured.grammar import build_grammar
+
+    unknown = sorted(set(structured) - set(STRUCTURED_KEYS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; structured outputs take one of {', '.join(STRUCTURED_KEYS)}")
+    spec = parse_structured_output(structured)
+    if spec is not None:
+        params = [replace(p, structured_output=resolve(spec)) for p in params]
+    for distinct in {p.structured_output for p in params if p.structured_output is not None}:
+        build_grammar(distinct)
     return params
 
 
@@ -86,13 +106,14 @@ class LLM:
             return self.adapter.prepare(prompt, max_tokens=params.max_tokens)
         if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
             raise TypeError(f'a prompt is a str or {{"prompt": str, "multi_modal_data": ...}}, got {prompt!r}')
-        unknown = set(prompt) - {"prompt", "multi_modal_data"}
+        unknown = set(prompt) - {"prompt", "multi_modal_data", "mm_processor_kwargs"}
         media = prompt.get("multi_modal_data") or {}
         unknown |= {f"multi_modal_data.{k}" for k in set(media) - {"image", "video"}}
         if unknown:
             raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
         return self.adapter.prepare(
-            prompt["prompt"], _as_list(media.get("image")), _as_list(media.get("video")), max_tokens=params.max_tokens
+            prompt["prompt"], _as_list(media.get("image")), _as_list(media.get("video")), max_tokens=params.max_tokens,
+            processor_kwargs=prompt.get("mm_processor_kwargs"),
         )
 
     def generate(
@@ -100,11 +121,13 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        **structured_output: Any,
     ) -> list[RequestOutput]:
         """Generate for raw prompts (the model's own format, media placeholders included);
-        outputs come back in input order. A bad prompt raises its `RowError`."""
+        outputs come back in input order. A bad prompt raises its `RowError`.
+        `SamplingParams(structured_output=...)` or a keyword (`_constrained`) constrains the text."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = _per_prompt(sampling_params, len(prompt_list))
+        params = _constrained(_per_prompt(sampling_params, len(prompt_list)), structured_output)
         requests = [(self._next_request_id(), self._prepare(p, sp), sp) for p, sp in zip(prompt_list, params)]
         return self._run_in_order(requests, use_tqdm)
 
@@ -113,15 +136,16 @@ class LLM:
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        **structured_output: Any,
     ) -> list[RequestOutput]:
         """Generate for OpenAI-style conversations (one, or a list of them) through the
         model's chat template; `image_url`/`video_url` parts are loaded, `image_pil` parts
-        (a PIL image under "image_pil") are used as they are."""
+        (a PIL image under "image_pil") are used as they are. Structured outputs as in `generate`."""
         from vlmbatch.chat import parse_chat_messages
 
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
-        params = _per_prompt(sampling_params, len(conversations))
+        params = _constrained(_per_prompt(sampling_params, len(conversations)), structured_output)
         requests = []
         for conversation, sp in zip(conversations, params):
             _, image_refs, video_refs = parse_chat_messages(conversation)

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vlmbatch.errors import RowError
+
 
 @dataclass
 class CompletionOutput:
-    """One generated continuation. `finish_reason` is "stop" (EOS or a stop string) or "length"."""
+    """One generated continuation. `finish_reason` is "stop" (EOS or a stop string), "length",
+    or "error" (nothing generated: a structured-output spec that cannot be compiled).
+
+    `error` is set when the row failed although it may hold text: its structured output
+    is incomplete (`length`), hit a dead end, or its spec could not be compiled; batch jobs
+    write it to the row's `error_type` / `error`."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or EOS token id that ended it
+    error: RowError | None = None
 
 
 @dataclass

@@ -12,6 +12,14 @@ in flight, so lengths, positions and block allocation are right for the next ste
 sequence that turns out to have finished at step n wastes its slot in step n + 1, whose
 token is dropped. Whenever the next step is not a pure decode of the same sequences (an
 admission, a preemption, an abort), the step in flight is finished first.
+
+Structured outputs (`SamplingParams.structured_output`, engine/structured_decoding.py): a
+constrained request waits outside the scheduler until its grammar is compiled (in the
+background), then runs beside free rows; after each forward the constrained rows' logits
+are masked before sampling. The mask of step n + 1 needs step n's token, so a decode step
+with constrained rows is launched as usual, then waits for step n's tokens, fills the
+masks on the host while the forward runs, and only then queues the mask and the sampling:
+the host wait a free batch does after launching its step, moved before the sampling.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,6 +46,7 @@ from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
 from vlmbatch.engine.sequence import Sequence, SequenceStatus
 from vlmbatch.engine.stopping import IncrementalDetokenizer, find_stop
+from vlmbatch.engine.structured_decoding import StructuredDecoding
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.families.prompt import PreparedPrompt
@@ -114,6 +124,9 @@ class PagedEngine(Engine):
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
+        self.structured = StructuredDecoding(self.tokenizer, self.model.decoder.embed_tokens.num_embeddings,
+                                             list(adapter.eos_token_ids), device, max_num_seqs, config.grammar_fill_threads)
+        self._compiling: list[Sequence] = []  # constrained sequences whose grammar is still compiling
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.stats = EngineStats()
         self._arrivals = 0
@@ -146,27 +159,56 @@ class PagedEngine(Engine):
                 "prompt",
             )
         mm = place_media(self.model, prompt, self.runner.dtype) if prompt.media else None
+        spec = params.structured_output
         group = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq = Sequence(request_id, list(prompt.prompt_token_ids), replace(params, n=1, seed=seed),
                            prompt=prompt.prompt, mm=copy.copy(mm), arrival=self._arrivals, index=index,
-                           detokenizer=IncrementalDetokenizer(self.tokenizer))
+                           detokenizer=IncrementalDetokenizer(self.tokenizer),
+                           grammar=self.structured.submit(spec) if spec is not None else None)
             self._arrivals += 1
             group.append(seq)
-            self.scheduler.add(seq)
+            if seq.grammar is None:
+                self.scheduler.add(seq)
+            else:
+                self._compiling.append(seq)
         self.requests[request_id] = group
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
-            self.scheduler.remove(seq)
+            if seq in self._compiling:
+                self._compiling.remove(seq)
+            else:
+                self.scheduler.remove(seq)
             seq.status = SequenceStatus.FINISHED
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # ---- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._admit_compiled() if self._compiling else []
+        return outputs + self._step()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the sequences whose grammar is compiled to the scheduler; end those whose spec
+        could not be compiled. Waits for a compile only when nothing else could run."""
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            wait([seq.grammar.future for seq in self._compiling], return_when=FIRST_COMPLETED)
+        progressed = {}
+        for seq in [s for s in self._compiling if s.grammar.ready()]:
+            self._compiling.remove(seq)
+            error = seq.grammar.start()
+            if error is None:
+                self.scheduler.add(seq)
+                continue
+            seq.error = error
+            self._finish(seq, "error")
+            progressed[seq.request_id] = None
+        return self._outputs(progressed)
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         in_flight = self._in_flight
         if in_flight is not None and not (self.async_decode and self.scheduler.decodes_next(in_flight.batch.seqs)):
@@ -182,19 +224,30 @@ class PagedEngine(Engine):
         if self._encode_media(batch) and self.time_phases and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # only after the tower ran: a decode step in flight must not be waited for here
         encoded = time.perf_counter()
+        constrained = any(seq.grammar is not None for seq in batch.seqs)
         if batch.is_prefill or not self.async_decode:
-            seqs, tokens = self.runner.run(batch)
+            seqs, tokens = self.runner.run(batch, self._mask if constrained else None)
             ran = time.perf_counter()
             self.scheduler.finish_step(batch)
             self._count(batch)
             outputs = self._take(seqs, tokens)
             self._time(batch, scheduled - started + time.perf_counter() - ran, encoded - scheduled, ran - encoded)
             return outputs
-        # A decode step: launch it on the previous step's tokens, then read those.
-        pending = self.runner.launch(batch, in_flight.pending.tokens if in_flight is not None else None)
+        # A decode step: launch it on the previous step's tokens, then read those (before
+        # the sampling when rows are constrained: their masks need those tokens).
+        outputs: list[RequestOutput] = []
+
+        def take_then_mask(seqs: list[Sequence], logits: torch.Tensor) -> None:
+            if in_flight is not None:
+                outputs.extend(self._take_tokens(in_flight))
+            self._mask(seqs, logits)
+
+        pending = self.runner.launch(batch, in_flight.pending.tokens if in_flight is not None else None,
+                                     take_then_mask if constrained else None)
         self.stats.num_async_decode_steps += in_flight is not None
         launched = time.perf_counter()
-        outputs = self._take_tokens(in_flight) if in_flight is not None else []
+        if in_flight is not None and not constrained:
+            outputs = self._take_tokens(in_flight)
         self.scheduler.finish_step(batch)
         self._count(batch)
         for seq in batch.seqs:
@@ -202,6 +255,9 @@ class PagedEngine(Engine):
                 seq.token_ids.append(PLACEHOLDER)
         self._in_flight = _InFlight(batch, pending)
         waited = in_flight.waited_s if in_flight is not None else 0.0
+        if constrained:  # that wait happened inside the launch: count it as waiting, not launching
+            self.runner.last_launch_s -= waited
+            waited = 0.0
         self._time(batch, scheduled - started + time.perf_counter() - launched - waited, encoded - scheduled, launched - encoded + waited)
         return outputs
 
@@ -212,6 +268,11 @@ class PagedEngine(Engine):
         in_flight.waited_s = time.perf_counter() - waiting
         live = [(seq, token) for seq, token in zip(in_flight.pending.seqs, tokens) if not seq.is_finished]
         return self._take([seq for seq, _ in live], [token for _, token in live])
+
+    def _mask(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Structured-output masks on the logits rows of the constrained `seqs`."""
+        self.structured.mask([(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished],
+                             logits)
 
     def _take(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
         """Append each sequence's token, retire finished ones, and build the outputs."""
@@ -224,6 +285,10 @@ class PagedEngine(Engine):
                 progressed[seq.request_id] = None
             elif self.stream_outputs:
                 progressed[seq.request_id] = None
+        return self._outputs(progressed)
+
+    def _outputs(self, progressed: dict[str, None]) -> list[RequestOutput]:
+        """The outputs of the requests that progressed; finished ones are forgotten."""
         outputs = [self._output(request_id) for request_id in progressed]
         for output in outputs:
             if output.finished:
@@ -255,14 +320,20 @@ class PagedEngine(Engine):
             seq.token_ids[-1] = token
         else:
             seq.token_ids.append(token)
-        params = seq.params
-        if token in self.eos_token_ids and not params.ignore_eos:
+        params, grammar = seq.params, seq.grammar
+        if grammar is not None and not grammar.accept(token):  # an empty mask's forced stop token
+            seq.error = grammar.dead_end()
+            self._finish(seq, "stop", token)
+            return
+        # A constrained row ends when its grammar does (it allows EOS only then), ignore_eos or not.
+        if token in self.eos_token_ids and (not params.ignore_eos or grammar is not None):
             self._finish(seq, "stop", token)
             return
         # Without stop strings or streaming, the text is decoded once, when the sequence ends.
         if (params.stop or self.stream_outputs) and self._extend_text(seq, token):
             return
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            seq.error = grammar.incomplete() if grammar is not None else None
             self._finish(seq, "length")
 
     def _extend_text(self, seq: Sequence, token: int) -> bool:
@@ -283,7 +354,7 @@ class PagedEngine(Engine):
     def _output(self, request_id: str) -> RequestOutput:
         group = self.requests[request_id]
         completions = [  # `output_token_ids` is a fresh slice: no copy needed
-            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason) for s in group
+            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason, s.error) for s in group
         ]
         first = group[0]
         return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, all(s.is_finished for s in group))

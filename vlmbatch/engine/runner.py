@@ -9,6 +9,7 @@ captured size.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -186,23 +187,28 @@ class ModelRunner:
         last = torch.tensor(meta.q_lens).cumsum(0)[done] - 1
         return [batch.seqs[i] for i in done], self.decoder.compute_logits(hidden[last.to(self.device)])
 
-    def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> PendingTokens:
+    def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None,
+               before_sample: Callable[[list[Sequence], torch.Tensor], None] | None = None) -> PendingTokens:
         """Launch the step's forward and sampling without waiting for the GPU; the sampled
-        tokens arrive in pinned host memory (`PendingTokens.wait`)."""
+        tokens arrive in pinned host memory (`PendingTokens.wait`). `before_sample(seqs,
+        logits)` runs between the two, on the logits rows of `seqs` (structured-output masks)."""
         started = time.perf_counter()
         seqs, logits = self.forward_logits(batch, input_ids)
         if not seqs:
             self.last_launch_s = time.perf_counter() - started
             return PendingTokens([], None, None, None)
+        if before_sample is not None:
+            before_sample(seqs, logits)
         sampling = SamplingBatch.build([s.params for s in seqs], [s.num_output_tokens for s in seqs], self.device)
         tokens = sample(logits, sampling)
         pending = self._token_copies.start(seqs, tokens)
         self.last_launch_s = time.perf_counter() - started
         return pending
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+    def run(self, batch: ScheduledBatch, before_sample: Callable[[list[Sequence], torch.Tensor], None] | None = None
+            ) -> tuple[list[Sequence], list[int]]:
         """Run the step; return the sequences that got a next token and those tokens."""
-        pending = self.launch(batch)
+        pending = self.launch(batch, before_sample=before_sample)
         return pending.seqs, pending.wait()
 
     def _decode_logits(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.structured.spec import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,10 @@ class SamplingParams:
     `top_k <= 0` disables top-k. `stop` strings end generation and are not included
     in the output text. `ignore_eos` keeps generating past EOS (benchmarks use it to
     force exact output lengths).
+
+    `structured_output` constrains the text to a JSON schema, choice, regex or grammar
+    (`vlmbatch.structured.spec`; docs/structured.md): the engines mask every step's logits
+    with it, and the row ends when the grammar does (whatever `ignore_eos` says).
     """
 
     max_tokens: int = 16
@@ -25,8 +30,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):  # back from `to_dict` (manifests, JSON transports)
+            object.__setattr__(self, "structured_output", StructuredOutput.from_dict(self.structured_output))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
@@ -48,6 +56,8 @@ class SamplingParams:
             problems.append(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.n, int) or self.n < 1:
             problems.append(f"n must be a positive integer, got {self.n!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            problems.append(f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}")
         if problems:
             raise RowError(ErrorType.INVALID_ROW, "; ".join(problems))
 
@@ -63,4 +73,8 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"] = list(self.stop)
+        if self.structured_output is None:
+            del d["structured_output"]  # manifests of unconstrained jobs stay as they were
+        else:
+            d["structured_output"] = self.structured_output.to_dict()
         return d

@@ -68,6 +68,10 @@ class Sequence:
     stop_reason: str | int | None = None
     text: str = ""
     detokenizer: Any = None  # incremental detokeniser state of `text`
+    # A structured-output sequence's `GrammarState` (engine/structured_decoding.py). Its matcher
+    # has accepted exactly the generated tokens: preemption recomputes KV only, so it stays exact.
+    grammar: Any = None
+    error: Any = None  # the RowError of a row that failed after it was admitted (structured outputs)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -45,6 +45,7 @@ class VisionLanguageModel(ABC):
     mrope = False  # positions are [3, tokens] (M-RoPE), not [tokens]
     mrope_interleaved = False  # Qwen3-VL's layout of the M-RoPE frequencies (`RotaryEmbedding`)
     deepstack_levels = 0  # vision feature levels added after the first decoder layers (Qwen3-VL)
+    language_model_attr = "language_model"  # where `hf_model.model` holds its text model (Idefics3: text_model)
 
     def __init__(self, hf_model: nn.Module, decoder: Decoder, kernels: KernelSet, image_decoder: EncodedImageDecoder,
                  encoder_cache_size: int = 256):
@@ -65,14 +66,14 @@ class VisionLanguageModel(ABC):
               image_decoder: EncodedImageDecoder) -> VisionLanguageModel:
         """Our decoder with the weights of `hf_model`'s language model, which is then dropped
         (only the vision tower and the position rules are kept from `transformers`)."""
-        language_model = hf_model.model.language_model
+        language_model = getattr(hf_model.model, cls.language_model_attr)
         text_config = hf_model.config.get_text_config()
         rotary = RotaryEmbedding.from_hf(language_model.rotary_emb, text_config, mrope=cls.mrope, interleaved=cls.mrope_interleaved)
         with torch.device(device):
             decoder = Decoder(text_config, rotary, cls.decoder_spec(text_config), kernels).to(dtype)
         decoder.load_from_hf(language_model, hf_model.lm_head)
         decoder.eval().requires_grad_(False)
-        hf_model.model.language_model = None
+        setattr(hf_model.model, cls.language_model_attr, None)
         hf_model.lm_head = None
         if device.type == "cuda":
             torch.cuda.empty_cache()

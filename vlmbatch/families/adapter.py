@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from vlmbatch.families.prompt import PreparedPrompt
+from vlmbatch.families.prompt import MediaItem, PreparedPrompt, collate
 from vlmbatch.families.registry import Family
 from vlmbatch.media.types import EncodedImage, VideoFrames
 from vlmbatch.media.video.sampling import QWEN2_5_VL, FrameConvention
@@ -47,14 +47,11 @@ class ModelAdapter(ABC):
         """Render OpenAI-style messages into the model's prompt text, with media placeholders."""
 
     @abstractmethod
-    def prepare(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-    ) -> PreparedPrompt:
-        """Tokenise `prompt` with its media into token ids and media items; raise `RowError`."""
+    def prepare(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+                max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
+        """Tokenise `prompt` with its media into token ids and media items; raise `RowError`.
+        `processor_kwargs` (a row's `mm_processor_kwargs`) go to the processor, e.g. InternVL's
+        `max_patches`; keys the family does not take are a `RowError`."""
 
     def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
         """`prepare` for JPEGs the engine decodes itself: identical token ids, items that
@@ -62,17 +59,18 @@ class ModelAdapter(ABC):
         tokens from its size alone do not override it (the job then decodes on the CPU)."""
         raise NotImplementedError(f"{self.family.name} cannot defer image decoding to the engine")
 
+    def hf_media_inputs(self, items: list[MediaItem]) -> dict[str, Any]:
+        """Decoded items of a batch of prompts as `transformers`' forward takes them (the hf
+        engine and the reference): their tensors concatenated in order, unless the family's
+        model wants another layout."""
+        return collate(items)
+
     @property
     def accepts_encoded_images(self) -> bool:
         return type(self).prepare_encoded is not ModelAdapter.prepare_encoded
 
-    def check(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-    ) -> int:
+    def check(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+              max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> int:
         """Validate like `prepare` and return the prompt's token count; families override it
         with a path that skips pixel preprocessing (the dry-run checks 5,000+ rows/s)."""
-        return self.prepare(prompt, images, videos, max_tokens).num_tokens
+        return self.prepare(prompt, images, videos, max_tokens, processor_kwargs).num_tokens

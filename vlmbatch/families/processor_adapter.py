@@ -10,6 +10,7 @@ splits into media items.
 from __future__ import annotations
 
 import hashlib
+import json
 from functools import cached_property
 from typing import Any
 
@@ -58,6 +59,13 @@ def sampled_video_inputs(videos: list[VideoFrames]) -> dict[str, Any]:
     if device is not None:
         kwargs["videos_kwargs"] = {"device": device}
     return kwargs
+def _keyed(content_hash: str, processor_kwargs: dict[str, Any]) -> str:
+    """A media item's cache key under per-row processor options: the same pixels tiled
+    differently (InternVL's `max_patches`) give other encoder outputs."""
+    if not processor_kwargs:
+        return content_hash
+    options = json.dumps(processor_kwargs, sort_keys=True, default=str)
+    return hashlib.sha256(f"{content_hash}:{options}".encode()).hexdigest()
 
 
 class ProcessorAdapter(ModelAdapter):
@@ -69,6 +77,8 @@ class ProcessorAdapter(ModelAdapter):
     image_token: str  # the token the processor expands into the image's patches
     video_token: str | None = None
     extra_eos_tokens: tuple[str, ...] = ()  # turn terminators that also end generation
+    # What a row's `mm_processor_kwargs` may set, and the type of each (ints must be positive).
+    processor_options: dict[str, type] = {}
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -151,14 +161,28 @@ class ProcessorAdapter(ModelAdapter):
         """Processor arguments (`videos=...` and metadata) for already-sampled frames."""
         return {}
 
-    def _validate(self, prompt: str, images: list[Any], videos: list[VideoFrames]) -> None:
-        """The checks that need no preprocessing: prompt text, supported media, placeholders."""
+    def _validate(self, prompt: str, images: list[Any], videos: list[VideoFrames],
+                  processor_kwargs: dict[str, Any] | None = None) -> None:
+        """The checks that need no preprocessing: prompt text, supported media, placeholders,
+        the row's processor options."""
+        self._check_processor_kwargs(processor_kwargs or {})
         if not isinstance(prompt, str) or not prompt.strip():
             raise RowError(ErrorType.PROMPT_EMPTY, "the prompt is empty", param="prompt")
         if videos and not self.supports_video:
             raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"{self.family.name} models do not accept videos", param="video")
         self._check_placeholders(prompt, self.image_token, self.image_placeholder, len(images), "image")
         self._check_placeholders(prompt, self.video_token, self.video_placeholder, len(videos), "video")
+
+    def _check_processor_kwargs(self, processor_kwargs: dict[str, Any]) -> None:
+        for key, value in processor_kwargs.items():
+            kind = self.processor_options.get(key)
+            if kind is None:
+                known = ", ".join(sorted(self.processor_options)) or "none"
+                raise RowError(ErrorType.INVALID_ROW, f"unknown mm_processor_kwargs key {key!r} for {self.family.name} "
+                               f"models (they take: {known})", param="mm_processor_kwargs")
+            if type(value) is not kind or (kind is int and value < 1):
+                raise RowError(ErrorType.INVALID_ROW, f"mm_processor_kwargs {key!r} must be a "
+                               f"{'positive int' if kind is int else kind.__name__}, got {value!r}", param="mm_processor_kwargs")
 
     def _check_length(self, num_tokens: int, max_tokens: int) -> None:
         if num_tokens + max_tokens > self.max_model_len:
@@ -169,22 +193,18 @@ class ProcessorAdapter(ModelAdapter):
                 param="prompt",
             )
 
-    def check(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-    ) -> int:
+    def check(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+              max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> int:
         """`prepare`'s checks and token count without pixel preprocessing (dry runs): each
         image's token count comes from its size, through the processor's own formula."""
         images, videos = list(images or []), list(videos or [])
         if videos:  # frame counts and per-frame caps: let the processor decide
-            return self.prepare(prompt, images, videos, max_tokens).num_tokens
-        self._validate(prompt, images, [])
+            return self.prepare(prompt, images, videos, max_tokens, processor_kwargs).num_tokens
+        self._validate(prompt, images, [], processor_kwargs)
         num_tokens = self._count_text_tokens(prompt)
         # each placeholder token becomes the image's tokens
-        num_tokens += sum(self._image_token_counts([(image.height, image.width) for image in images])) - len(images)
+        sizes = [(image.height, image.width) for image in images]
+        num_tokens += sum(self._image_token_counts(sizes, processor_kwargs)) - len(images)
         self._check_length(num_tokens, max_tokens)
         return num_tokens
 
@@ -196,18 +216,22 @@ class ProcessorAdapter(ModelAdapter):
             return len(self.tokenizer(prompt)["input_ids"])
         return len(backend.encode(prompt, add_special_tokens=True).ids)
 
-    def _image_token_counts(self, sizes: list[tuple[int, int]]) -> list[int]:
+    def _image_token_counts(self, sizes: list[tuple[int, int]], processor_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Tokens of each image of one prompt, from the (height, width) of all of them
         (LLaVA-OneVision counts an image differently when the prompt has several)."""
-        return [self._image_tokens(height, width) for height, width in sizes]
+        return [self._image_tokens(height, width, processor_kwargs) for height, width in sizes]
 
-    def _image_tokens(self, height: int, width: int) -> int:
+    def _image_tokens(self, height: int, width: int, processor_kwargs: dict[str, Any] | None = None) -> int:
         """Tokens of one image of this size, memoised: datasets repeat sizes, the formula is slow."""
         cache = self.__dict__.setdefault("_image_token_cache", {})
-        if (height, width) not in cache:
-            counts = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens
-            cache[(height, width)] = counts[0]
-        return cache[(height, width)]
+        key = (height, width, json.dumps(processor_kwargs or {}, sort_keys=True, default=str))
+        if key not in cache:
+            cache[key] = self._count_image_tokens(height, width, processor_kwargs or {})
+        return cache[key]
+
+    def _count_image_tokens(self, height: int, width: int, processor_kwargs: dict[str, Any]) -> int:
+        """What one image's placeholder expands to, in tokens (the processor's own formula)."""
+        return self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)], **processor_kwargs).num_image_tokens[0]
 
     def prepare_encoded(self, prompt: str, images: list[EncodedImage], max_tokens: int = 0) -> PreparedPrompt:
         """`prepare` for images the engine will decode: the same token ids, counted from each
@@ -234,18 +258,21 @@ class ProcessorAdapter(ModelAdapter):
         """The processor's batch as one item per image, then per video, each in prompt order."""
         raise NotImplementedError
 
-    def prepare(
-        self,
-        prompt: str,
-        images: list[Any] | None = None,
-        videos: list[VideoFrames] | None = None,
-        max_tokens: int = 0,
-    ) -> PreparedPrompt:
-        images, videos = list(images or []), list(videos or [])
-        self._validate(prompt, images, videos)
+    def _media(self, processed: dict[str, torch.Tensor], token_ids: list[int], prompt: str, images: list[Any],
+               videos: list[VideoFrames], hashes: list[str]) -> list[MediaItem]:
+        """The prompt's media items; families whose processor batch cannot be split without
+        the token ids (InternVL: tiles per image, images and videos in prompt order)
+        override this instead of `media_items`."""
+        return self.media_items(processed, hashes)
+
+    def prepare(self, prompt: str, images: list[Any] | None = None, videos: list[VideoFrames] | None = None,
+                max_tokens: int = 0, processor_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
+        images, videos, processor_kwargs = list(images or []), list(videos or []), dict(processor_kwargs or {})
+        self._validate(prompt, images, videos, processor_kwargs)
         try:
             processed = self.processor(
-                text=[prompt], images=self._image_inputs(images), return_tensors="pt", **self._video_inputs(videos)
+                text=[prompt], images=self._image_inputs(images), return_tensors="pt", **self._video_inputs(videos),
+                **processor_kwargs,
             )
         except (ValueError, TypeError) as exc:  # e.g. an image below the minimum size or of odd shape
             raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"the processor rejected the media: {exc}") from exc
@@ -256,5 +283,6 @@ class ProcessorAdapter(ModelAdapter):
             for key, value in processed.items()
             if key not in _PER_TOKEN_KEYS
         }
-        media = self.media_items(tensors, [media_hash(m) for m in [*images, *videos]]) if images or videos else []
+        hashes = [_keyed(media_hash(m), processor_kwargs) for m in [*images, *videos]]
+        media = self._media(tensors, token_ids, prompt, images, videos, hashes) if images or videos else []
         return PreparedPrompt(prompt_token_ids=token_ids, media=media, prompt=prompt)

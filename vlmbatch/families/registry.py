@@ -57,6 +57,9 @@ FAMILIES: dict[str, Family] = {
         _family("llava", {IMAGES}),
         _family("qwen3_vl", {IMAGES, VIDEO}),
         _family("qwen3_vl_moe", {IMAGES, VIDEO, MOE}),
+        _family("internvl", {IMAGES, VIDEO}),
+        _family("idefics3", {IMAGES}),
+        _family("smolvlm", {IMAGES, VIDEO}),
         _family("llava_next", {IMAGES}),
         _family("llava_onevision", {IMAGES, VIDEO}),
     )
@@ -113,7 +116,7 @@ def load_adapter(model: str, chat_template: str | None = None, trust_remote_code
     family = family_of(config, model)
     try:
         processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: a package the processor needs (SmolVLM: num2words)
         raise JobError(f"cannot load the processor of {model}: {str(exc).splitlines()[0]}") from exc
     if chat_template is not None:
         processor.chat_template = _read_chat_template(chat_template)

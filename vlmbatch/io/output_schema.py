@@ -243,10 +243,25 @@ def manifest_entry(spec: StructuredOutput | None, per_row: bool) -> dict[str, An
     return {"spec": spec.to_dict() if spec is not None else None, "per_row": per_row}
 
 
+def job_spec(extra: Mapping[str, Any]) -> StructuredOutput | None:
+    """The job-level spec of a job, from its manifest's `extra` (None: none)."""
+    entry = extra.get(MANIFEST_KEY) or {}
+    return StructuredOutput.from_dict(entry["spec"]) if entry.get("spec") else None
+
+
 def job_output_column(extra: Mapping[str, Any]) -> OutputColumn | None:
     """The output column of a job, from its manifest's `extra`."""
     entry = extra.get(MANIFEST_KEY)
     if not entry:
         return None
-    spec = StructuredOutput.from_dict(entry["spec"]) if entry.get("spec") else None
-    return output_column(spec, bool(entry.get("per_row")))
+    return output_column(job_spec(extra), bool(entry.get("per_row")))
+
+
+def structured_text(column: OutputColumn | None, spec: StructuredOutput | None, text: str) -> dict[str, str]:
+    """What the shard runner puts in a result row for the output column: the generated text
+    of a constrained row (`output_json` holds JSON-kind rows only), else nothing."""
+    if column is None or spec is None:
+        return {}
+    if column.name == OUTPUT_JSON and spec.kind not in (JSON_SCHEMA, JSON_OBJECT):
+        return {}
+    return {column.name: text}

@@ -35,6 +35,7 @@ from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.io.schema import RESERVED_NAMES, infer_scalar_type, is_passthrough_type
 from vlmbatch.io.storage import Location, ObjectPath, open_input, parquet_source, resolve
 from vlmbatch.job.rows import SAMPLING_OVERRIDE_KEYS
+from vlmbatch.structured.spec import STRUCTURED_KEYS
 
 FORMAT_JSONL = "jsonl"
 FORMAT_OPENAI_BATCH = "openai_batch"
@@ -205,7 +206,8 @@ def _is_openai_batch_line(obj: dict[str, Any]) -> bool:
 
 
 def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any] | RowError:
-    """Map one OpenAI Batch request line to the row contract (custom_id, messages, overrides)."""
+    """Map one OpenAI Batch request line to the row contract (custom_id, messages, overrides,
+    `response_format` / `guided_*`, vLLM's `mm_processor_kwargs`)."""
     missing = [key for key in _BATCH_KEYS if key not in obj]
     if missing:
         return RowError(ErrorType.INVALID_ROW, f"OpenAI Batch line lacks {', '.join(missing)}")
@@ -217,7 +219,7 @@ def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any] | RowError:
     row: dict[str, Any] = {"custom_id": obj["custom_id"], "messages": body["messages"]}
     if "max_completion_tokens" in body:
         row["max_tokens"] = body["max_completion_tokens"]
-    row.update({key: body[key] for key in SAMPLING_OVERRIDE_KEYS if key in body})
+    row.update({key: body[key] for key in (*SAMPLING_OVERRIDE_KEYS, *STRUCTURED_KEYS, "mm_processor_kwargs") if key in body})
     return row
 
 

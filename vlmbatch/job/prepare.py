@@ -91,7 +91,11 @@ def build_prompt(
             prompt = adapter.apply_chat_template(messages)
         image_refs = image_refs + message_images
         video_refs = video_refs + message_videos
-    if defer_jpegs and adapter is not None and adapter.accepts_encoded_images and image_refs and not video_refs and not check_only:
+    options = request.mm_processor_kwargs
+    # The engine decodes JPEGs with the image processor's defaults: rows with options, and
+    # families whose images the engine cannot decode, keep the CPU path.
+    if (defer_jpegs and adapter is not None and adapter.accepts_encoded_images and image_refs and not video_refs
+            and not check_only and not options):
         return _prepare_encoded(prompt or "", image_refs, adapter, media, request.sampling.max_tokens)
     load_image = media.image_size if check_only else media.image
     images = [load_image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
@@ -100,9 +104,9 @@ def build_prompt(
     if adapter is None:
         return None
     if check_only:
-        adapter.check(prompt or "", images, videos, max_tokens=request.sampling.max_tokens)
+        adapter.check(prompt or "", images, videos, max_tokens=request.sampling.max_tokens, processor_kwargs=options)
         return None
-    return adapter.prepare(prompt or "", images, videos, max_tokens=request.sampling.max_tokens)
+    return adapter.prepare(prompt or "", images, videos, max_tokens=request.sampling.max_tokens, processor_kwargs=options)
 
 
 def _prepare_encoded(

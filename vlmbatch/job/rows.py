@@ -2,18 +2,19 @@
 
 This is the single place that knows the input-row contract (ARCHITECTURE.md): `id`,
 `prompt` or `messages`, media in `image` / `images` / `video`, per-row sampling
-overrides and `media_io_kwargs`. Everything here is cheap and pure (no media I/O),
+overrides, `media_io_kwargs` and `mm_processor_kwargs`. Everything here is cheap and pure (no media I/O),
 so the dry-run, the shard runner and the preprocessing pool all share it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.structured.spec import parse_structured_output, resolve
 
 SAMPLING_OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
@@ -30,6 +31,7 @@ class RowRequest:
     video_refs: list[Any] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # the model's processor options (the family checks them)
 
 
 def _text(value: Any, column: str) -> str:
@@ -77,6 +79,15 @@ def sampling_for_row(raw: dict[str, Any], defaults: SamplingParams) -> SamplingP
         raise RowError(ErrorType.INVALID_ROW, f"bad sampling override: {exc}")
 
 
+def structured_for_row(raw: dict[str, Any], sampling: SamplingParams) -> SamplingParams:
+    """The row's own `response_format` / `guided_*` over the job's spec (`defaults`' one):
+    row > job > default; a row's `{"type": "text"}` runs it unconstrained."""
+    row_spec = parse_structured_output(raw)
+    if row_spec is None:
+        return sampling
+    return replace(sampling, structured_output=resolve(row_spec, sampling.structured_output))
+
+
 def parse_row(row_id: int, raw: dict[str, Any], columns: Any, defaults: SamplingParams) -> RowRequest:
     """Validate `raw` against the column mapping `columns` (an `io.readers.ColumnMap`)."""
     if not isinstance(raw, dict):
@@ -100,11 +111,7 @@ def parse_row(row_id: int, raw: dict[str, Any], columns: Any, defaults: Sampling
     images += _media_list(_json_value_if_text_list(raw.get(columns.images)), columns.images, many=True)
     videos = _media_list(raw.get(columns.video), columns.video, many=False)
 
-    media_io_kwargs = raw.get("media_io_kwargs")
-    if media_io_kwargs is not None:
-        media_io_kwargs = _json_value(media_io_kwargs, "media_io_kwargs")
-        if not isinstance(media_io_kwargs, dict):
-            raise RowError(ErrorType.INVALID_ROW, "media_io_kwargs must be an object", "media_io_kwargs")
+    media_io_kwargs, mm_processor_kwargs = _object(raw, "media_io_kwargs"), _object(raw, "mm_processor_kwargs")
 
     return RowRequest(
         row_id=row_id,
@@ -113,9 +120,21 @@ def parse_row(row_id: int, raw: dict[str, Any], columns: Any, defaults: Sampling
         messages=messages,
         image_refs=images,
         video_refs=videos,
-        sampling=sampling_for_row(raw, defaults),
+        sampling=structured_for_row(raw, sampling_for_row(raw, defaults)),
         media_io_kwargs=media_io_kwargs,
+        mm_processor_kwargs=mm_processor_kwargs,
     )
+
+
+def _object(raw: dict[str, Any], column: str) -> dict[str, Any] | None:
+    """An optional mapping column (a dict, or a JSON object in a string column)."""
+    value = raw.get(column)
+    if value is None:
+        return None
+    value = _json_value(value, column)
+    if not isinstance(value, dict):
+        raise RowError(ErrorType.INVALID_ROW, f"{column} must be an object", column)
+    return value
 
 
 def _json_value_if_text_list(value: Any) -> Any:

@@ -20,11 +20,13 @@ import time
 from contextlib import closing
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from vlmbatch.engine.outputs import RequestOutput
+from vlmbatch.io.output_schema import job_output_column, job_spec, structured_text
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.engine.gpu_images import defers_image_decoding
@@ -78,6 +80,7 @@ class ResultRowFactory:
         self.input_id_column = manifest.columns.id
         self.passthrough = list(manifest.passthrough_schema.names)
         self.model = manifest.model
+        self.output = job_output_column(manifest.extra)  # a structured job's `output` / `output_json`
         self.shard_id = shard_id
         self.attempt = attempt
 
@@ -97,15 +100,19 @@ class ResultRowFactory:
         return row
 
     def ok(self, item: PreparedRow, output: RequestOutput) -> dict[str, Any]:
+        """A generated row; one the engine failed after admission (an incomplete structured
+        output, an uncompilable row spec) keeps its text and carries its error."""
         completion = output.outputs[0]
+        error = completion.error
         row = self._base(item.row_id, item.raw, item.request)
         row.update(
-            generated_text=completion.text,
+            generated_text=completion.text if completion.finish_reason != "error" else None,
             finish_reason=completion.finish_reason or "length",
             num_input_tokens=output.num_input_tokens,
             num_generated_tokens=len(completion.token_ids),
-            error_type=None,
-            error=None,
+            error_type=error.error_type if error is not None else None,
+            error=error.message if error is not None else None,
+            **structured_text(self.output, item.sampling.structured_output, completion.text),
         )
         return row
 
@@ -179,7 +186,7 @@ def run_shard(
 
     reader = manifest.open_dataset()
     source = _rows_in_range(reader.iter_shard(plan), row_range, only_rows)
-    defaults = SamplingParams(**manifest.sampling)
+    defaults = replace(SamplingParams(**manifest.sampling), structured_output=job_spec(manifest.extra))
     adapter = llm.adapter if llm is not None else None
     spec = AdapterSpec(manifest.model, manifest.extra.get("chat_template")) if adapter is not None else None
     defer = llm is not None and defers_image_decoding(llm.engine, image_decode_mode(manifest, llm.engine))
@@ -188,6 +195,7 @@ def run_shard(
     prepared = preparer.prepare(source, preparation, adapter)
 
     def record(row: dict[str, Any], ok: bool) -> None:
+        ok = ok and row["error_type"] is None
         outcome.rows.append(row)
         if ok:
             outcome.rows_ok += 1

@@ -35,6 +35,7 @@ from vlmbatch.server.protocol import (
 )
 from vlmbatch.server.settings import ServerSettings
 from vlmbatch.server.streaming import SSE_DONE, DeltaTracker, sse_event
+from vlmbatch.structured.spec import STRUCTURED_KEYS, StructuredOutput, parse_structured_output, resolve
 
 
 @dataclass
@@ -50,6 +51,14 @@ def _usage(output: RequestOutput) -> Usage:
     prompt_tokens = output.num_input_tokens
     completion_tokens = output.num_generated_tokens
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+def _raise_failed(output: RequestOutput) -> None:
+    """A completion the engine could not start (its grammar failed to compile) fails the request;
+    others keep their text (an incomplete structured output ends with finish_reason "length")."""
+    failed = next((o.error for o in output.outputs if o.finish_reason == "error" and o.error is not None), None)
+    if failed is not None:
+        raise failed
 
 
 class ChatCompletions:
@@ -74,6 +83,7 @@ class ChatCompletions:
                 404, f"The model `{request.model}` does not exist; this server serves `{self._settings.model_id}`.",
                 param="model", code="model_not_found",
             )
+        structured = self._structured_output(request)
         _, image_refs, video_refs = parse_chat_messages(request.messages)
         self._check_media_counts(len(image_refs), len(video_refs))
         images, videos = await self._media.load(
@@ -82,7 +92,8 @@ class ChatCompletions:
         loop = asyncio.get_running_loop()
         try:
             prompt = await loop.run_in_executor(
-                self._prompt_thread, self._render, request.messages, images, videos, request.requested_max_tokens or 1
+                self._prompt_thread, self._render, request.messages, images, videos, request.requested_max_tokens or 1,
+                request.mm_processor_kwargs,
             )
         except RowError as error:
             if error.param == "prompt":  # the client sent messages, not the rendered prompt
@@ -98,13 +109,26 @@ class ChatCompletions:
             stop=request.stop_strings,
             n=request.n,
             ignore_eos=request.ignore_eos,
+            structured_output=structured,
         )
         return PreparedRequest(new_completion_id(), prompt, params)
 
-    def _render(self, messages: list[dict[str, Any]], images: list[Any], videos: list[Any], max_tokens: int) -> PreparedPrompt:
+    @staticmethod
+    def _structured_output(request: ChatCompletionRequest) -> StructuredOutput | None:
+        """The request's constraint; a malformed one, or one xgrammar cannot compile, is the
+        client's mistake (`RowError` → 400 naming the key), found before the engine sees it."""
+        from vlmbatch.structured.grammar import build_grammar
+
+        spec = resolve(parse_structured_output({key: getattr(request, key) for key in STRUCTURED_KEYS}))
+        if spec is not None:
+            build_grammar(spec)
+        return spec
+
+    def _render(self, messages: list[dict[str, Any]], images: list[Any], videos: list[Any], max_tokens: int,
+                processor_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
         """OpenAI messages (the adapter places the media placeholders) → token ids and pixels."""
         text = self._adapter.apply_chat_template(messages)
-        return self._adapter.prepare(text, images or None, videos or None, max_tokens)
+        return self._adapter.prepare(text, images or None, videos or None, max_tokens, processor_kwargs)
 
     def _check_media_counts(self, num_images: int, num_videos: int) -> None:
         for modality, count in (("image", num_images), ("video", num_videos)):
@@ -122,6 +146,7 @@ class ChatCompletions:
         async for output in self._engine.generate(request.request_id, request.prompt, request.params):
             final = output
         assert final is not None  # generate() ends only on a finished output or an exception
+        _raise_failed(final)
         return ChatCompletion(
             id=request.request_id,
             model=self._settings.model_id,
@@ -148,6 +173,7 @@ class ChatCompletions:
         try:
             async for output in self._engine.generate(request.request_id, request.prompt, request.params):
                 final = output
+                _raise_failed(output)
                 choices = []
                 for completion in output.outputs:
                     tracker = trackers.pop(completion.index, None)

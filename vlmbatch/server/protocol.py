@@ -38,6 +38,15 @@ class ChatCompletionRequest(BaseModel):
     # Per-request media loading options, e.g. {"video": {"num_frames": 4}}; they override
     # the server's `--media-io-kwargs` for this request only.
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    # Structured outputs: OpenAI's `response_format`, or vLLM's extra-body keys (one of them;
+    # `vlmbatch.structured.spec` validates the values and names a bad one).
+    response_format: Any = None
+    guided_json: Any = None
+    guided_choice: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    # vLLM's extension: the model processor's options, e.g. InternVL's {"max_patches": 4}.
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -25,7 +25,7 @@ def hf_inputs(adapter, workload: Workload, indices: list[int], model: torch.nn.M
     processor (prompts of one workload have one length: no padding), pixels in the model's
     dtype; `continuation` appends tokens to every prompt (teacher-forced references)."""
     processed = adapter.processor(text=[workload.requests[i].prompt for i in indices],
-                                  images=[image for i in indices for image in workload.images(i)], return_tensors="pt")
+                                  images=[workload.images(i) for i in indices], return_tensors="pt")  # per prompt: SmolVLM needs it
     inputs = dict(processed)
     if continuation:
         extra = torch.tensor([list(continuation)] * len(indices), dtype=inputs["input_ids"].dtype)

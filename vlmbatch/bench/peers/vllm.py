@@ -7,7 +7,11 @@ processor whose pixel bounds keep a 448x448 image at its real token count) with
 own token ids with one image placeholder, which vLLM expands itself; its images are PIL
 images that vLLM preprocesses on the CPU (its normal offline path). Sampling is forced to
 each request's output length (`min_tokens` = `max_tokens`, EOS ignored, greedy, no
-detokenisation). 64 other requests warm it up before the timed runs.
+detokenisation). 64 other requests warm it up before the timed runs. With a schema
+(`bench engine --structured`), W1 runs once more under it ("w1+schema") through vLLM's
+structured outputs (`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`,
+`guided_decoding=GuidedDecodingParams(json=...)` before vLLM 0.10.2), with the same
+max_tokens but neither min_tokens nor ignore_eos: the grammar decides where a row ends, as in ours.
 
 Why a child process: vLLM holds its weights, KV cache, CUDA graphs and an engine-core
 process of its own; `del llm` does not reliably give that memory back within one process
@@ -54,7 +58,10 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def vllm_requests(workload: Workload) -> list[dict[str, Any]]:
-    """The workload as vLLM prompts: its token ids with one placeholder per image, its PIL images."""
+    """The workload as vLLM prompts: its token ids with one placeholder per image, its PIL
+    images. The placeholder is the family adapter's (`<|image_pad|>` in Qwen's vision markers,
+    LLaVA's and Idefics3/SmolVLM's `<image>`): vLLM's processor of each family replaces that
+    one token by the image's expansion (Idefics3/SmolVLM: tile markers and the global image)."""
     prompts = []
     for index, request in enumerate(workload.requests):
         images = workload.images(index)
@@ -69,16 +76,29 @@ def sampling_kwargs(workload: Workload) -> list[dict[str, Any]]:
              "detokenize": False} for r in workload.requests]
 
 
+def structured_kwargs(schema: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's structured-output argument for a JSON schema, in the installed version's API."""
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:  # vLLM before 0.10.2
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(json=schema)}
+    return {"structured_outputs": StructuredOutputsParams(json=schema)}
+
+
 def run_vllm_peer(model: Path, load_format: str, warmup: Workload, workloads: list[Workload], gpu_memory_utilization: float,
-                  timeout_s: float, workdir: Path, env: dict[str, str], pythonpath: list[str]) -> dict[str, Any]:
+                  timeout_s: float, workdir: Path, env: dict[str, str], pythonpath: list[str],
+                  structured: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the child on `workloads` (after `warmup`) with `env`, and `pythonpath` as its
     PYTHONPATH when given; return what it wrote: `runs` (one per workload timed), `skipped`
-    (why vLLM could not be imported), `error`."""
+    (why vLLM could not be imported), `error`. `structured` ({"workload", "schema"}) times
+    that workload once more under the schema, as "<workload>+schema"."""
     spec_path, result_path = workdir / "vllm-spec.json", workdir / "vllm-result.json"
     longest = max(w.prompt_tokens + max(r.output_tokens for r in w.requests) for w in workloads)
     spec = {"model": str(model), "load_format": load_format, "max_model_len": max(4096, longest),
             "gpu_memory_utilization": gpu_memory_utilization, "warmup": warmup.to_json(),
-            "workloads": [w.to_json() for w in workloads]}
+            "workloads": [w.to_json() for w in workloads], "structured": structured}
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
     child_env = {**CHILD_ENV, **env}
@@ -125,15 +145,21 @@ def _child(spec: dict[str, Any], save) -> dict[str, Any]:
     llm.generate(vllm_requests(warmup), [SamplingParams(**k) for k in sampling_kwargs(warmup)], use_tqdm=False)
     result["warmup_s"] = time.perf_counter() - started
     save(result)
-    for data in spec["workloads"]:
-        workload = Workload.from_json(data)
-        prompts, params = vllm_requests(workload), [SamplingParams(**k) for k in sampling_kwargs(workload)]
+    structured = spec.get("structured")
+    runs = [(Workload.from_json(data), None) for data in spec["workloads"]]
+    runs += [(w, structured["schema"]) for w, _ in runs if structured and w.name == structured["workload"]]
+    for workload, schema in runs:
+        kwargs = sampling_kwargs(workload)
+        if schema is not None:
+            kwargs = [dict(request, min_tokens=0, ignore_eos=False, **structured_kwargs(schema)) for request in kwargs]
+        prompts, params = vllm_requests(workload), [SamplingParams(**k) for k in kwargs]
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
         generated = [len(o.outputs[0].token_ids) for o in outputs]
         result["runs"].append({
-            "workload": workload.name, "requests": len(outputs), "seconds": seconds, "output_tokens": sum(generated),
+            "workload": workload.name + ("+schema" if schema is not None else ""), "requests": len(outputs), "seconds": seconds,
+            "output_tokens": sum(generated),
             "lengths_as_forced": generated == [r.output_tokens for r in workload.requests],
             "prompt_tokens": sorted({len(o.prompt_token_ids) for o in outputs}),
             "image_tokens": sorted({n for o in outputs for n in _image_tokens(o)}), "fingerprint": workload.fingerprint(),

@@ -40,9 +40,9 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
     def _image_inputs(self, images: list[Any]) -> Any:
         return [images] if images else None  # one prompt's list: the processor applies the multi-image rule
 
-    def _image_token_counts(self, sizes: list[tuple[int, int]]) -> list[int]:
+    def _image_token_counts(self, sizes: list[tuple[int, int]], processor_kwargs: dict[str, Any] | None = None) -> list[int]:
         if len(sizes) < 2:
-            return super()._image_token_counts(sizes)
+            return super()._image_token_counts(sizes, processor_kwargs)
         base = self.processor.num_image_tokens + 1 - (self.processor.vision_feature_select_strategy == "default")
         return [base] * len(sizes)
 
