@@ -49,6 +49,14 @@ def bench_engine(
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="As --structured, with the JSON schema in this file."),
     mask_batches: str = typer.Option("64,256", "--mask-batches", help="Batch sizes of the mask-per-step measurement (with a schema)."),
     grammar_fill_threads: int = typer.Option(1, "--grammar-fill-threads", min=1, help="Threads filling one step's masks (the engine option)."),
+    quantization: str = typer.Option("none", "--quantization", help="fp8 (per channel, dynamic per token) or fp8-block (128x128 "
+                                     "blocks, 1x128 activation groups): our engine quantizes the language model online, vLLM runs a dummy "
+                                     "checkpoint of the same published format, and the logits are checked against fp32 transformers on the "
+                                     "round-tripped weights."),
+    load_format: str = typer.Option("auto", "--load-format", help="dummy: our engine builds its random weights on the GPU in "
+                                    "their final dtype (FP8 directly, no bf16 copy: qwen2_5_vl_72b on one H200); no generate() peer; "
+                                    "logits checked only with --reference-layers."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="fp8: our engine's KV cache in e4m3 (per-tensor scale 1)."),
     json_out: Path = typer.Option(Path("bench-out/engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
     """Requests/s and output tokens/s of W1/W2, ours next to generate() and vLLM with the ratios; logits vs transformers fp32; decode step vs roofline."""
@@ -69,6 +77,8 @@ def bench_engine(
         schema = bench_schema(structured, json_schema)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--structured / --json-schema") from None
+    if quantization not in ("none", "fp8", "fp8-block"):
+        raise typer.BadParameter("choose none, fp8 or fp8-block", param_hint="--quantization")
     options = BenchOptions(
         model_shape=model_shape, model=model, requests=requests, peers=peers, peer_requests_w1=peer_requests_w1,
         peer_requests_w2=peer_requests_w2, peer_batches=int_list(peer_batches, "--peer-batches"),
@@ -80,7 +90,8 @@ def bench_engine(
         extra_shapes=tuple(shape_or_exit(s).name for s in split(extra_shapes)),
         profile_batches=int_list(profile_batches, "--profile-batches", allow_empty=True), max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
-        gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode,
+        gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode, quantization=quantization,
+        load_format=load_format, kv_cache_dtype=kv_cache_dtype,
         structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"), grammar_fill_threads=grammar_fill_threads,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)

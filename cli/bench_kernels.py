@@ -10,7 +10,7 @@ import typer
 def bench_kernels(
     json_out: Path = typer.Option(Path("bench-out/kernels.json"), "--json", help="Where to write the figures."),
     config_sweep: bool = typer.Option(True, help="Also sweep launch configs (block sizes, warps, stages)."),
-    sections: str = typer.Option("prefill,decode,linear", help="What to time, comma-separated: prefill, decode, linear."),
+    sections: str = typer.Option("prefill,decode,linear", help="What to time, comma-separated: prefill, decode, linear, fp8."),
 ) -> None:
     """Check every kernel in bf16/fp16, then time prefill and decode attention against SDPA, and the
     decode-step linear layers against cuBLAS, next to the GPU's ceilings."""

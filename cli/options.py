@@ -44,6 +44,20 @@ AttentionBackendOption = typer.Option(
     help="Paged attention kernels: auto (triton on CUDA, torch on the CPU), triton, torch or flash-attn. "
     "Unset: VLMBATCH_ATTENTION_BACKEND, else auto.",
 )
+QuantizationOption = typer.Option(
+    None, "--quantization",
+    help="fp8: quantize the language model's bf16 weights at load (per output channel, dynamic per-token activations); "
+    "none. A checkpoint's own FP8 quantization_config always applies. Unset: VLMBATCH_QUANTIZATION, else none.",
+)
+QuantizeVisionOption = typer.Option(
+    None, "--quantize-vision",
+    help="With --quantization fp8: the vision tower's linear layers too. Unset: VLMBATCH_QUANTIZE_VISION, else off.",
+)
+KvCacheDtypeOption = typer.Option(
+    None, "--kv-cache-dtype",
+    help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale 1: twice the tokens of bf16). "
+    "Unset: VLMBATCH_KV_CACHE_DTYPE, else auto.",
+)
 StorageOptionsOption = typer.Option(
     None,
     "--storage-options",
@@ -72,21 +86,38 @@ def parse_json_option(value: str | None, flag: str) -> dict[str, Any]:
     return parsed
 
 
-def resolve_job_dir(job: str, output: str | Path, storage_options: dict[str, Any] | None = None) -> Any:
-    """A job is named by its id (under --output) or by its folder's path or URL; returns
-    a `Path` or an `ObjectPath` (`vlmbatch.io.storage`)."""
+def resolve_job_dir(job: str, output: str | Path, storage_options: dict[str, Any] | None = None,
+                    broker: str | None = None) -> Any:
+    """A job is named by its folder's path or URL, by its id under --output, or, with a
+    broker, by its bare id wherever it lies (submit recorded its folder in Redis). Returns a
+    `Path` or an `ObjectPath` (`vlmbatch.io.storage`); the error says every place it looked."""
+    import redis
+
     from vlmbatch.errors import JobError
     from vlmbatch.io.storage import resolve
+    from vlmbatch.job.queue import recorded_job_dir
 
+    looked = []
     try:
-        candidate = resolve(job, storage_options)
-        under = resolve(output, storage_options) / job
-        for folder in (candidate, under):
+        for folder in (resolve(job, storage_options), resolve(output, storage_options) / job):
+            looked.append(f"{folder}/manifest.json")
             if (folder / "manifest.json").exists():
                 return folder
+        if broker:
+            recorded = recorded_job_dir(job, broker)
+            if recorded is None:
+                looked.append(f"the broker {broker} (it has no job {job!r})")
+            else:
+                folder = resolve(recorded, storage_options)
+                looked.append(f"{folder}/manifest.json (the folder the broker {broker} recorded)")
+                if (folder / "manifest.json").exists():
+                    return folder
+    except redis.RedisError as exc:
+        raise typer.BadParameter(f"cannot look up job {job!r} on the broker {broker}: {exc}", param_hint="JOB")
     except (JobError, OSError) as exc:
         raise typer.BadParameter(f"cannot look for job {job!r}: {exc}", param_hint="JOB")
-    raise typer.BadParameter(f"no job {job!r} (looked for {candidate}/manifest.json and {under}/manifest.json)", param_hint="JOB")
+    hint = "" if broker else "; with --broker (or VLMBATCH_BROKER_URL) a bare job id is looked up there too"
+    raise typer.BadParameter(f"no job {job!r}: looked for {'; '.join(looked)}{hint}", param_hint="JOB")
 
 
 def engine_config(**flags: Any) -> EngineConfig:

@@ -7,12 +7,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from vlmbatch.cli.options import OutputOption, StorageOptionsOption, parse_json_option, resolve_job_dir
+from vlmbatch.cli.options import BrokerOption, OutputOption, StorageOptionsOption, parse_json_option, resolve_job_dir
 
 
 def results(
-    job: str = typer.Argument(..., help="Job id (under --output) or the job's folder (a path or an s3:// URL)."),
+    job: str = typer.Argument(..., help="Job id (under --output, or through the broker) or the job's folder (a path or an s3:// URL)."),
     output: str = OutputOption,
+    broker: Optional[str] = BrokerOption,
     merge: Optional[str] = typer.Option(None, "--merge", help="Write one Parquet file ordered by row_id (streamed, memory bounded; a path or a URL)."),
     errors_only: bool = typer.Option(False, "--errors-only", help="Only rows that ended in an error (with --merge: only those are written)."),
     partial: bool = typer.Option(False, "--partial", help="Accept a job whose parts are not all committed yet."),
@@ -24,7 +25,7 @@ def results(
 
     console = Console()
     options = parse_json_option(storage_options, "--storage-options")
-    job_dir = resolve_job_dir(job, output, options)
+    job_dir = resolve_job_dir(job, output, options, broker)
     summary = summarize(job_dir)
     if summary.parts_committed < summary.parts_planned and not partial:
         Console(stderr=True).print(

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 
 from vlmbatch.cli.options import (
+    KvCacheDtypeOption,
+    QuantizationOption,
+    QuantizeVisionOption,
     AttentionBackendOption,
     DeviceOption,
     DtypeOption,
     EngineOption,
     MediaIoKwargsOption,
     ModelOption,
+    StorageOptionsOption,
     engine_config,
     parse_json_option,
 )
@@ -78,6 +82,11 @@ def serve(
         None, "--allowed-media-networks",
         help="CIDRs exempt from the private-address guard, e.g. an internal image store (repeatable or comma-separated).",
     ),
+    allowed_media_buckets: Optional[list[str]] = typer.Option(
+        None, "--allowed-media-buckets",
+        help="Object-storage buckets whose s3:// media URLs may be read (repeatable or comma-separated); none by default.",
+    ),
+    storage_options: Optional[str] = StorageOptionsOption,
     max_media_bytes: int = typer.Option(DEFAULT_MAX_MEDIA_BYTES, "--max-media-bytes", min=1, help="Size cap of one media download."),
     max_image_pixels: int = typer.Option(
         DEFAULT_MAX_IMAGE_PIXELS, "--max-image-pixels", min=1, help="Images with more pixels are refused before decoding."
@@ -87,6 +96,9 @@ def serve(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
     attention_backend: Optional[str] = AttentionBackendOption,
+    quantization: Optional[str] = QuantizationOption,
+    quantize_vision: Optional[bool] = QuantizeVisionOption,
+    kv_cache_dtype: Optional[str] = KvCacheDtypeOption,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve MODEL behind an OpenAI-compatible /v1/chat/completions (images and videos)."""
@@ -103,7 +115,8 @@ def serve(
     from vlmbatch.server.settings import ServerSettings
 
     console = Console(stderr=True)
-    config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend)
+    config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
+                           quantization=quantization, quantize_vision=quantize_vision, kv_cache_dtype=kv_cache_dtype)
     try:
         media = MediaConfig.from_env(os.environ)
     except JobError as exc:  # a bad VLMBATCH_* value, named
@@ -123,6 +136,7 @@ def serve(
         max_media_bytes=max_media_bytes,
         max_image_pixels=max_image_pixels,
         media=media,
+        object_media=_object_media(allowed_media_buckets, storage_options),
     )
     try:
         prepare_video_backend(parse_video_options(settings.media_io_kwargs.get("video"), default_video_options(media)))
@@ -133,6 +147,14 @@ def serve(
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _object_media(buckets: list[str] | None, storage_options: str | None) -> Any:
+    """The s3:// media reader of the allowed buckets (None: no bucket allowed)."""
+    from vlmbatch.io.storage import ObjectMedia
+
+    allowed = _items(buckets)
+    return ObjectMedia(parse_json_option(storage_options, "--storage-options"), allowed) if allowed else None
 
 
 def register(app: typer.Typer) -> None:

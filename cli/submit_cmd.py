@@ -9,6 +9,9 @@ import typer
 from rich.console import Console
 
 from vlmbatch.cli.options import (
+    KvCacheDtypeOption,
+    QuantizationOption,
+    QuantizeVisionOption,
     AttentionBackendOption,
     BrokerOption,
     DeviceOption,
@@ -40,6 +43,13 @@ def submit(
     top_k: int = typer.Option(0, "--top-k", help="Default top-k; 0 disables it."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Default sampling seed (rows may set their own)."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    n: int = typer.Option(1, "--n", help="Samples per row; results get one row per sample, numbered by `sample_index`."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="OpenAI's presence penalty, in [-2, 2]."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="OpenAI's frequency penalty, in [-2, 2]."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="transformers' repetition penalty (prompt and output tokens); 1 is off."),
+    min_tokens: int = typer.Option(0, "--min-tokens", help="Tokens to generate before EOS or a stop string may end a row."),
+    logit_bias: Optional[str] = typer.Option(None, "--logit-bias", help='JSON object of token id -> bias in [-100, 100], e.g. \'{"151643": -100}\'.'),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Write each token's logprob and the N most likely (0..20) to a `logprobs` column."),
     id_column: str = typer.Option("id", "--id-column", help="Column that identifies a row (row number when absent)."),
     prompt_column: str = typer.Option("prompt", "--prompt-column", help="Column with the raw prompt text."),
     messages_column: str = typer.Option("messages", "--messages-column", help="Column with OpenAI chat messages."),
@@ -54,6 +64,9 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate every row (media open, prompt fits) without generating; writes nothing."),
     gpu_image_decode: Optional[str] = GpuImageDecodeOption,
     attention_backend: Optional[str] = AttentionBackendOption,
+    quantization: Optional[str] = QuantizationOption,
+    quantize_vision: Optional[bool] = QuantizeVisionOption,
+    kv_cache_dtype: Optional[str] = KvCacheDtypeOption,
     storage_options: Optional[str] = StorageOptionsOption,
     response_format: Optional[str] = typer.Option(
         None, "--response-format",
@@ -97,7 +110,11 @@ def submit(
         id=id_column, prompt=prompt_column, messages=messages_column, image=image_column, images=images_column, video=video_column
     )
     try:
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), n=n,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens, logit_bias=parse_json_option(logit_bias, "--logit-bias") or {}, logprobs=logprobs,
+        )
     except Exception as exc:  # RowError from validation: a flag is out of range
         raise typer.BadParameter(str(exc))
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
@@ -105,7 +122,8 @@ def submit(
     template = Path(chat_template).read_text() if chat_template else None
     # Checked before anything is written (a typo in --gpu-image-decode fails here).
     config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
-                           gpu_image_decode=gpu_image_decode)
+                           gpu_image_decode=gpu_image_decode, quantization=quantization, quantize_vision=quantize_vision,
+                           kv_cache_dtype=kv_cache_dtype)
     try:
         structured = structured_output_option(parse_json_option(response_format, "--response-format"), json_schema)
         media_config, worker_config = MediaConfig.from_env(os.environ), WorkerConfig.from_env(os.environ)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -16,13 +17,24 @@ def make_tiny_model_command(
     directory: Path = typer.Argument(..., metavar="DIR", help="Folder to write the checkpoint into (created if missing)."),
     arch: TinyArch = typer.Option(TinyArch("qwen2_5_vl"), "--arch", help="Model family to imitate."),
     seed: int = typer.Option(0, "--seed", help="Weight seed; the same seed gives byte-identical weights."),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization",
+        help="Write the language model in a published FP8 layout: fp8-block (Qwen's -FP8: 128x128 blocks, weight_scale_inv) "
+        "or fp8-dynamic (compressed-tensors -FP8-dynamic: per channel, weight_scale).",
+    ),
 ) -> None:
     """Write a tiny random-weight checkpoint in Hugging Face layout (config, safetensors,
     tokenizer, processor, chat template) that `--model DIR` accepts. Its output is
     gibberish: it exists to exercise the pipeline without downloading a real model."""
     from vlmbatch.testing.tiny import make_tiny_model
 
+    from vlmbatch.testing.fp8_checkpoints import FORMATS, quantize_checkpoint
+
+    if quantization is not None and quantization not in FORMATS:
+        raise typer.BadParameter(f"choose one of {', '.join(FORMATS)}", param_hint="--quantization")
     path = make_tiny_model(directory, arch.value, seed=seed)
+    if quantization is not None:
+        quantize_checkpoint(path, quantization)
     typer.echo(str(path))
 
 

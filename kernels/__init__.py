@@ -5,12 +5,17 @@ on the CPU under `TRITON_INTERPRET=1` and on the GPU (`vlmbatch bench kernels`).
 """
 
 from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
+from . import fp8
+from .fp8 import Fp8GemmConfig, fp8_gemm, quantize_fp8
 from .fused_moe import GemmTile, MoeConfig, fused_moe
 from .kv_cache_write import store_kvcache
 from .prefill_attention import PrefillConfig, paged_prefill_attention
 from .reference import (
     apply_rotary_ref,
+    dequantize_fp8_ref,
+    fp8_gemm_ref,
     fused_moe_ref,
+    quantize_fp8_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -23,6 +28,7 @@ from .skinny_gemm import SkinnyConfig, skinny_linear
 
 __all__ = [
     "DecodeConfig",
+    "Fp8GemmConfig",
     "GemmTile",
     "MoeConfig",
     "PrefillConfig",
@@ -31,12 +37,18 @@ __all__ = [
     "apply_rotary_ref",
     "fused_silu_and_mul",
     "choose_num_splits",
+    "dequantize_fp8_ref",
+    "fp8",
+    "fp8_gemm",
+    "fp8_gemm_ref",
     "fused_moe",
     "fused_moe_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "quantize_fp8",
+    "quantize_fp8_ref",
     "rms_norm",
     "rms_norm_ref",
     "SkinnyConfig",

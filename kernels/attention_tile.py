@@ -69,7 +69,7 @@ def attend_paged_tile(
     """
     k = load_paged_tile(
         k_head_ptr, block_table_row_ptr, offs_n, offs_d, kv_len, stride_k_block, stride_k_slot, PAGE_SIZE, HEAD_DIM
-    )
+    ).to(q.dtype)  # an FP8 cache is read back in the compute dtype (a no-op otherwise)
     scores = tl.dot(q, tl.trans(k)) * scale_log2
     if APPLY_MASK:
         scores = tl.where(score_mask, scores, float("-inf"))
@@ -79,7 +79,7 @@ def attend_paged_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_paged_tile(
         v_head_ptr, block_table_row_ptr, offs_n, offs_d, kv_len, stride_v_block, stride_v_slot, PAGE_SIZE, HEAD_DIM
-    )
+    ).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 

@@ -41,6 +41,9 @@ import triton.language as tl
 
 from .pdl import follow_previous, launch_options, pdl_launch
 
+FP8_BLOCK = 128  # FP8 expert weights: one scale per 128 x 128 block
+_FP8_BLOCK = tl.constexpr(FP8_BLOCK)  # the same, readable inside the kernels
+
 # moe_align: up to this many (token, slot) pairs one program counts and places them all
 # (one launch); beyond it each program takes a chunk and a first launch counts the chunks.
 SINGLE_PROGRAM_PAIRS = 512
@@ -258,12 +261,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, routing_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+    a_ptr, w_ptr, ws_ptr, out_ptr, routing_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, num_blocks, N, K,
-    stride_am, stride_we, stride_wn, stride_om,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):  # fmt: skip
     """out[pair, n] = A[pair // PAIRS_PER_A_ROW] . W[expert(pair), n] over one BLOCK_M block of
     one expert. GATED: W holds [gate; up] (N rows each) and out = SiLU(gate) * up, rounded
@@ -304,12 +308,19 @@ def _expert_gemm_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if FP8_W:  # e4m3 weights times their 128x128 block scales, rounded to the activations' dtype
+            s_mask = (offs_k[:, None] < k_left) & n_mask
+            s_ptrs = ws_ptr + expert * stride_wse + (k * BLOCK_K + offs_k[:, None]) // _FP8_BLOCK
+            w = (w.to(tl.float32) * tl.load(s_ptrs + (offs_n[None, :] // SCALE_ROWS) * stride_wsn, mask=s_mask, other=0.0)).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             if EVEN_K and EVEN_N:
                 w_up = tl.load(w_ptrs + up_offset)
             else:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            if FP8_W:
+                up_scales = tl.load(s_ptrs + ((offs_n[None, :] + N) // SCALE_ROWS) * stride_wsn, mask=s_mask, other=0.0)
+                w_up = (w_up.to(tl.float32) * up_scales).to(a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -331,28 +342,40 @@ def _check_row_major(*tensors: torch.Tensor) -> None:
         raise ValueError("the expert kernels need activations and weights [experts, N, K] contiguous along K")
 
 
+def _scale_args(weight: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, int, int, int]:
+    """(scale tensor, its expert and row strides, weight rows per scale row) of FP8 expert
+    weights; placeholders (the weight itself) when the weights are not FP8."""
+    if scales is None:
+        return weight, 0, 0, 1
+    if scales.dim() != 3 or scales.shape[0] != weight.shape[0] or scales.shape[-1] != triton.cdiv(weight.shape[-1], FP8_BLOCK):
+        raise ValueError(f"FP8 expert scales {tuple(scales.shape)} do not fit weights {tuple(weight.shape)} in {FP8_BLOCK}-blocks")
+    return scales, scales.stride(0), scales.stride(1), 1 if scales.shape[1] == weight.shape[1] else FP8_BLOCK
+
+
 def _launch_expert_gemm(
     a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks,
-    n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile, pdl: bool = False,
+    n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile, pdl: bool = False, scales: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     _check_row_major(a, weight)
     k = weight.shape[-1]
     num_blocks = blocks.expert_ids.numel()
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
+    ws, stride_wse, stride_wsn, scale_rows = _scale_args(weight, scales)
     _expert_gemm_kernel[grid](
-        a, weight, out, routing if routing is not None else out, blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded,
+        a, weight, ws, out, routing if routing is not None else out, blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded,
         out.shape[0], num_blocks, n, k,
-        a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        a.stride(0), weight.stride(0), weight.stride(1), stride_wse, stride_wsn, out.stride(0),
         PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, WEIGHTED=routing is not None,
         EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=blocks.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        FP8_W=scales is not None, SCALE_ROWS=scale_rows,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )  # fmt: skip
 
 
 def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: GemmTile,
-                   pdl: bool = False) -> torch.Tensor:
+                   pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(x W_gate[e].T) * (x W_up[e].T) for every pair: [tokens * k, intermediate], row
     `token * k + slot`; `w_gate_up` is [experts, 2 * intermediate, hidden] (gate rows first),
     the layout of transformers' `gate_up_proj`."""
@@ -360,16 +383,16 @@ def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: Expert
         hidden = hidden.contiguous()
     intermediate = w_gate_up.shape[1] // 2
     act = torch.empty(hidden.shape[0] * top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
-    _launch_expert_gemm(hidden, w_gate_up, act, None, blocks, intermediate, top_k, True, tile, pdl)
+    _launch_expert_gemm(hidden, w_gate_up, act, None, blocks, intermediate, top_k, True, tile, pdl, scales)
     return act
 
 
 def expert_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, blocks: ExpertBlocks, tile: GemmTile,
-                pdl: bool = False) -> torch.Tensor:
+                pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
     """routing weight * (act W_down[e].T) for every pair: [tokens * k, hidden]; `w_down` is
     [experts, hidden, intermediate] (transformers' `down_proj`)."""
     out = torch.empty(act.shape[0], w_down.shape[1], dtype=act.dtype, device=act.device)
-    _launch_expert_gemm(act, w_down, out, topk_weights.reshape(-1), blocks, w_down.shape[1], 1, False, tile, pdl)
+    _launch_expert_gemm(act, w_down, out, topk_weights.reshape(-1), blocks, w_down.shape[1], 1, False, tile, pdl, scales)
     return out
 
 
@@ -409,9 +432,10 @@ def sum_slots(per_pair: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
 
 @triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, act_ptr, N, K, num_experts,
-    stride_xm, stride_we, stride_wn, stride_am,
+    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, N, K, num_experts,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = SiLU(x W_gate[e].T) * (x W_up[e].T) for one pair and BLOCK_N columns:
     a GEMV over the expert's weight rows (contiguous along K), rounded as the GEMM rounds."""
@@ -433,8 +457,15 @@ def _pair_gate_up_kernel(
         k_mask = offs_k < K
         x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         w_mask = n_mask & k_mask[None, :]
-        acc += tl.sum(tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
-        acc_up += tl.sum(tl.load(w_rows + up_offset + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        w_up = tl.load(w_rows + up_offset + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if FP8_W:  # dequantized as the grouped GEMM does: times the block scale, rounded to the activations' dtype
+            s_ptrs = ws_ptr + expert.to(tl.int64) * stride_wse + offs_k[None, :] // _FP8_BLOCK
+            w = (w * tl.load(s_ptrs + (offs_n[:, None] // SCALE_ROWS) * stride_wsn, mask=w_mask, other=0.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+            up_scales = tl.load(s_ptrs + ((offs_n[:, None] + N) // SCALE_ROWS) * stride_wsn, mask=w_mask, other=0.0)
+            w_up = (w_up * up_scales).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.sum(w * x, axis=1)
+        acc_up += tl.sum(w_up * x, axis=1)
     dtype = act_ptr.dtype.element_ty
     gate = acc.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -443,9 +474,10 @@ def _pair_gate_up_kernel(
 
 @triton.jit
 def _token_down_kernel(
-    act_ptr, w_ptr, ids_ptr, routing_ptr, out_ptr, N, K, num_experts,
-    stride_am, stride_we, stride_wn, stride_om,
+    act_ptr, w_ptr, ws_ptr, ids_ptr, routing_ptr, out_ptr, N, K, num_experts,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):  # fmt: skip
     """out[token, n] = the sum over its k slots of round(routing * act[pair] W_down[e].T): the
     down GEMV and the per-token sum in one pass, rounded where the grouped path rounds. The
@@ -466,7 +498,12 @@ def _token_down_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=taken[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_rows + offs_k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0).to(tl.float32)
+        w_mask = row_mask & k_mask[None, None, :]
+        w = tl.load(w_rows + offs_k[None, None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if FP8_W:
+            s_ptrs = (ws_ptr + tl.where(taken, experts, 0).to(tl.int64)[:, None, None] * stride_wse
+                      + (offs_n[None, :, None] // SCALE_ROWS) * stride_wsn + offs_k[None, None, :] // _FP8_BLOCK)
+            w = (w * tl.load(s_ptrs, mask=w_mask, other=0.0)).to(act_ptr.dtype.element_ty).to(tl.float32)
         acc += tl.sum(w * a[:, None, :], axis=2)
     weights = tl.load(routing_ptr + pairs, mask=taken, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -475,7 +512,7 @@ def _token_down_kernel(
 
 
 def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
     """`expert_gate_up` without the sort: programs per (token, slot) pair and BLOCK_N columns."""
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
@@ -483,28 +520,31 @@ def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.
     num_experts, two_i, k = w_gate_up.shape
     ids = topk_ids.reshape(-1)
     act = torch.empty(ids.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
+    ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_gate_up, scales)
     if ids.numel():
         _pair_gate_up_kernel[(ids.numel(), triton.cdiv(two_i // 2, tile.block_n))](
-            hidden, w_gate_up, ids, act, two_i // 2, k, num_experts,
-            hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-            TOP_K=topk_ids.shape[1], BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            hidden, w_gate_up, ws, ids, act, two_i // 2, k, num_experts,
+            hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), stride_wse, stride_wsn, act.stride(0),
+            TOP_K=topk_ids.shape[1], BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FP8_W=scales is not None, SCALE_ROWS=scale_rows,
             num_warps=tile.num_warps, **launch_options(pdl),
         )  # fmt: skip
     return act
 
 
 def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
-               pdl: bool = False) -> torch.Tensor:
+               pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
     """`expert_down` and `sum_slots` in one launch: programs per token and BLOCK_N columns."""
     _check_row_major(act, w_down)
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, k = w_down.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
+    ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_down, scales)
     if num_tokens:
         _token_down_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
-            act, w_down, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
-            act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+            act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
+            act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
             TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            FP8_W=scales is not None, SCALE_ROWS=scale_rows,
             num_warps=tile.num_warps, **launch_options(pdl),
         )  # fmt: skip
     return out
@@ -513,6 +553,7 @@ def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tens
 def fused_moe(
     hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     config: MoeConfig | None = None, pdl_max_rows: int = 0,
+    gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The experts' output [tokens, hidden] for `hidden` [tokens, hidden] routed to `topk_ids`
     [tokens, k] with `topk_weights` [tokens, k]; the same as `reference.fused_moe_ref`.
@@ -522,15 +563,19 @@ def fused_moe(
     [0, experts) (e.g. -1 on a captured batch's padding rows) take no expert and add zero.
     Capturable in a CUDA graph: no host synchronisation, shapes fixed by the token count.
     `pdl_max_rows`: see `pdl.pdl_launch` (decided once, for the token count, for every kernel here).
+    FP8 experts (block-wise checkpoints): float8_e4m3fn weights with float32 `*_scales`
+    [experts, ceil(rows / 128) or rows, ceil(K / 128)]; each weight tile is dequantized in
+    registers (times its block scale, rounded to the activations' dtype) before its product,
+    so decode reads one byte per weight: `reference.fused_moe_fp8_ref`.
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     config = config or choose_config(num_tokens, hidden.shape[1], intermediate, num_experts, top_k)
     pdl = pdl_launch(hidden, pdl_max_rows)
     if config.block_m == 1:
-        act = pair_gate_up(hidden, w_gate_up, topk_ids, config.gate_up, pdl)
-        return token_down(act, w_down, topk_weights, topk_ids, config.down, pdl)
+        act = pair_gate_up(hidden, w_gate_up, topk_ids, config.gate_up, pdl, gate_up_scales)
+        return token_down(act, w_down, topk_weights, topk_ids, config.down, pdl, down_scales)
     blocks = moe_align(topk_ids, num_experts, config.block_m, pdl)
-    act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up, pdl)
-    per_pair = expert_down(act, w_down, topk_weights, blocks, config.down, pdl)
+    act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up, pdl, gate_up_scales)
+    per_pair = expert_down(act, w_down, topk_weights, blocks, config.down, pdl, down_scales)
     return sum_slots(per_pair, topk_ids, num_experts, pdl)

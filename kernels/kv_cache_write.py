@@ -1,10 +1,27 @@
-"""The KV-cache write: scatter this step's keys and values into their paged slots."""
+"""The KV-cache write: scatter this step's keys and values into their paged slots.
+
+An FP8 cache (`--kv-cache-dtype fp8`, float8_e4m3fn) stores each value clamped to the
+e4m3 range and rounded to nearest even, with a per-tensor scale of 1 (vLLM's default
+without calibrated scales: keys and values of these models stay far inside +-448);
+readers cast the tile back to the compute dtype before their dot products.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def to_cache(x, cache_ptr, FP8_CACHE: tl.constexpr):
+    """`x` as the cache stores it: the cache's dtype, clamped to +-448 first for FP8."""
+    if FP8_CACHE:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -24,6 +41,7 @@ def _store_kvcache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -34,9 +52,9 @@ def _store_kvcache_kernel(
     mask = (offs_h < NUM_HEADS) & (offs_d < HEAD_DIM)
     cache_offs = slot * stride_cache_slot + offs_h * stride_cache_head + offs_d
     k = tl.load(k_ptr + token * stride_k_tok + offs_h * stride_k_head + offs_d, mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k, mask=mask)
+    tl.store(k_cache_ptr + cache_offs, to_cache(k, k_cache_ptr, FP8_CACHE), mask=mask)
     v = tl.load(v_ptr + token * stride_v_tok + offs_h * stride_v_head + offs_d, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v, mask=mask)
+    tl.store(v_cache_ptr + cache_offs, to_cache(v, v_cache_ptr, FP8_CACHE), mask=mask)
 
 
 def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -73,4 +91,5 @@ def store_kvcache(
         k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
     )  # fmt: skip

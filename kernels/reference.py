@@ -22,8 +22,16 @@ def store_kvcache_ref(
     """Write token i's k/v (`[num_tokens, kv_heads, head_dim]`) into flat slot `slot_mapping[i]`; -1 skips it."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_ref(k[keep], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_ref(v[keep], v_cache.dtype)
+
+
+def to_cache_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a KV cache of `cache_dtype` stores it: an FP8 cache clamps to +-448 (e4m3's
+    range; torch's cast would give NaN past it), then rounds to nearest even."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return x.clamp(-448.0, 448.0).to(cache_dtype)
+    return x.to(cache_dtype)
 
 
 def gather_paged_kv(
@@ -167,3 +175,69 @@ def fused_moe_ref(
     rounds the product and then the weighting, and adds in float32 where it adds in bf16."""
     act = moe_gate_up_ref(hidden, w_gate_up, topk_ids)
     return moe_down_ref(act, w_down, topk_weights, topk_ids).float().sum(dim=1).to(hidden.dtype)
+
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn values, float32 scales [rows, groups]) of `x` [rows, K]: each token's
+    groups of `group` columns (None: the whole row) divided by amax / 448 (amax floored at
+    1e-12), clamped to +-448 and rounded to nearest even by torch's cast."""
+    rows, k = x.shape
+    group = group or k
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(rows, groups, group)
+    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows, groups * group)[:, :k], scale
+
+
+def quantize_fp8_blocks_ref(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scales [ceil(N/block), ceil(K/block)]) of a weight
+    [N, K]: each block x block tile scaled so its largest magnitude is 448, as block-wise
+    FP8 checkpoints store it."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    tiles = F.pad(w.float(), (0, kb * block - k, 0, nb * block - n)).view(nb, block, kb, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
+
+
+def expand_block_scales(scales: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """Per-element float32 scales [N, K] of block scales [ceil(N / rows), ceil(K / cols)]."""
+    n, k = shape
+    return scales.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+
+
+def dequantize_fp8_ref(w_q: torch.Tensor, w_s: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """float32 weight [N, K] of fp8 `w_q` and its scales: per channel ([N, 1]), block
+    ([ceil(N/group), ceil(K/group)]) or per-row block ([N, ceil(K/group)])."""
+    n, k = w_q.shape
+    rows = 1 if w_s.shape[0] == n else group
+    cols = k if w_s.shape[1] == 1 else group
+    return w_q.float() * expand_block_scales(w_s, (n, k), (rows, cols))
+
+
+def fp8_gemm_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32, group: int = 128) -> torch.Tensor:  # fmt: skip
+    """What `fp8_gemm` computes: the dequantized activation times the dequantized weight in
+    float32 (each group's scales applied to its float32 dot), plus bias, rounded once."""
+    out = dequantize_fp8_ref(a_q, a_s, group) @ dequantize_fp8_ref(w_q, w_s, group).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def fused_moe_fp8_ref(
+    hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    gate_up_scales: torch.Tensor, down_scales: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """`fused_moe_ref` on FP8 experts: each expert's weight dequantized (float32 product with
+    its block scales) and rounded to the activations' dtype, which is what the kernels
+    compute tile by tile and what the CPU path holds after dequantizing at load."""
+    def dequantized(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return torch.stack([dequantize_fp8_ref(w[e], s[e]) for e in range(w.shape[0])]).to(hidden.dtype)
+
+    return fused_moe_ref(hidden, dequantized(w_gate_up, gate_up_scales), dequantized(w_down, down_scales), topk_weights, topk_ids)

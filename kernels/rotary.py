@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_cache_write import check_cache_write
+from .kv_cache_write import check_cache_write, to_cache
 from .pdl import follow_previous, launch_options, pdl_launch
 
 
@@ -49,7 +49,7 @@ def _rotary_kernel(
     stride_cos_tok, stride_sin_tok,
     stride_v_tok, stride_v_head, stride_cache_slot, stride_cache_head,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF_DIM: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr, FP8_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     follow_previous(PDL)
     token = tl.program_id(0)
@@ -74,11 +74,12 @@ def _rotary_kernel(
         if slot >= 0:
             offs_h = tl.arange(0, BLOCK_KH)[:, None]
             cache_offs = slot * stride_cache_slot + offs_h * stride_cache_head + offs_half
-            tl.store(k_cache_ptr + cache_offs, k1, mask=k_mask)
-            tl.store(k_cache_ptr + cache_offs + HALF_DIM, k2, mask=k_mask)
+            tl.store(k_cache_ptr + cache_offs, to_cache(k1, k_cache_ptr, FP8_CACHE), mask=k_mask)
+            tl.store(k_cache_ptr + cache_offs + HALF_DIM, to_cache(k2, k_cache_ptr, FP8_CACHE), mask=k_mask)
             v_ptrs = v_ptr + token * stride_v_tok + offs_h * stride_v_head + offs_half
-            tl.store(v_cache_ptr + cache_offs, tl.load(v_ptrs, mask=k_mask), mask=k_mask)
-            tl.store(v_cache_ptr + cache_offs + HALF_DIM, tl.load(v_ptrs + HALF_DIM, mask=k_mask), mask=k_mask)
+            tl.store(v_cache_ptr + cache_offs, to_cache(tl.load(v_ptrs, mask=k_mask), v_cache_ptr, FP8_CACHE), mask=k_mask)
+            tl.store(v_cache_ptr + cache_offs + HALF_DIM, to_cache(tl.load(v_ptrs + HALF_DIM, mask=k_mask), v_cache_ptr, FP8_CACHE),
+                     mask=k_mask)
 
 
 def apply_rotary(
@@ -122,6 +123,7 @@ def _launch(q, k, cos, sin, store, pdl_max_rows: int) -> tuple[torch.Tensor, tor
             v.stride(0), v.stride(1), k_cache.stride(-3), k_cache.stride(-2),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF_DIM=half,
             BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store is not None, **launch_options(pdl_launch(q, pdl_max_rows)),
+            BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store is not None,
+            FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn, **launch_options(pdl_launch(q, pdl_max_rows)),
         )  # fmt: skip
     return q_out, k_out

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
+import torch
 from PIL import Image
 
 from vlmbatch.engine.hf import generate_inputs
@@ -133,3 +135,13 @@ def run_to_completion(engine) -> dict:
             if output.finished:
                 finished[output.request_id] = output
     return finished
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny matmuls are ~20x slower with two threads on a shared 2-core machine (import
+    this fixture into an engine test module to use it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -53,6 +53,26 @@ def test_a_worker_process_gets_its_configuration_on_its_command_line() -> None:
     assert rebuilt.worker == WorkerConfig(preprocess_workers=2, worker_cpus=frozenset({4, 5}), pin_worker_cpus=False)
 
 
+def test_secrets_travel_in_the_environment_and_each_slot_gets_its_metrics_port() -> None:
+    """Storage options (credentials) never reach a child's command line, which `ps` shows;
+    GPU process i serves metrics on `--metrics-port` + i; every child knows its supervisor."""
+    from vlmbatch.workers.process import ProcessConfigs, parse_args
+    from vlmbatch.workers.supervisor import Supervisor, pinned_env
+
+    secret = {"key": "AKIA-test", "secret": "very-secret", "endpoint_url": "http://minio:9000"}
+    configs = ProcessConfigs(EngineConfig(), MediaConfig(), QueueConfig(),
+                             WorkerConfig(storage_options=secret, metrics_port=9400))
+    supervisor = Supervisor("m", "redis://127.0.0.1:1/0", ["0", "1"], configs)
+    for slot, port in (("0", 9400), ("1", 9401)):
+        command = supervisor.command(slot)
+        assert "very-secret" not in " ".join(command)
+        args = parse_args(command[3:])
+        assert args.supervisor_pid == os.getpid()
+        env = pinned_env(slot, None, configs.worker.storage_options)
+        rebuilt = ProcessConfigs.from_args(args, env).worker
+        assert (rebuilt.metrics_port, rebuilt.storage_options) == (port, secret)
+
+
 def test_worker_flags_are_checked_once_and_never_written_to_the_environment() -> None:
     from vlmbatch.cli.commands import app
 

@@ -128,3 +128,54 @@ def test_bench_engine_times_w1_under_a_schema_with_the_mask_per_step(tmp_path):
     assert all(row["mask_rows_per_step"] > 1 and row["mask_apply_ms_per_step"] > 0 for row in report["structured"]["mask_at_batches"])
     assert report["structured"]["w1_schema_vs_w1"] > 0 and "W1 under the schema:" in result.output
     assert "w1+schema" in report["summary"]
+
+
+@pytest.mark.parametrize("shape, quantization", [("tiny", "fp8"), ("tiny", "fp8-block"), ("tiny_qwen3_vl_moe", "fp8-block")])
+def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_weights(tmp_path, shape, quantization):
+    """On the CPU our engine dequantizes the FP8 weights at load, so against transformers
+    holding the same round-tripped weights in fp32 the logits agree to float32 rounding
+    (requantizing a round-tripped weight gives back its fp8 values; MoE experts included);
+    the reported bound is the FP8 one used on the GPU."""
+    from vlmbatch.bench.fp8 import FP8_MIN_BOUND
+    from vlmbatch.cli.commands import app
+
+    out = tmp_path / "engine.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(app, [
+            "bench", "engine", "--model-shape", shape, "--device", "cpu", "--requests", "2", "--peer", "",
+            "--workloads", "w1", "--check-prompts", "2", "--decode-steps", "4", "--decode-batches", "2", "--extra-shapes", "",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "600", "--backends", "torch", "--quantization", quantization,
+            "--json", str(out),
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    correctness = json.loads(out.read_text())["correctness"]
+    assert correctness["bound_max_rel_err"] == FP8_MIN_BOUND
+    assert correctness["backends"]["torch"]["max_rel_err"] < 1e-4 and correctness["backends"]["torch"]["top1_agreement"] == 1.0
+
+
+def test_bench_engine_dummy_load_reports_the_kv_cache_left_and_checks_a_cut_model(tmp_path):
+    """`--load-format dummy` (the 72B path): no transformers copy of the model, so no
+    generate() peer; the logits are checked on the shape cut to --reference-layers."""
+    from vlmbatch.cli.commands import app
+
+    out = tmp_path / "engine.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(app, [
+            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "2", "--peer", "hf",
+            "--workloads", "w1", "--check-prompts", "1", "--decode-steps", "2", "--decode-batches", "1", "--extra-shapes", "",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "600", "--backends", "torch", "--quantization", "fp8",
+            "--load-format", "dummy", "--reference-layers", "1", "--json", str(out),
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["peers"]["hf"]["status"] == "skipped" and report["correctness"]["reference_layers"] == 1
+    assert report["memory"]["kv_blocks"] > 0 and report["memory"]["decoder_weights_gib"] > 0
+    assert "KV cache" in result.output and {r["engine"] for r in report["runs"]} == {"paged"}

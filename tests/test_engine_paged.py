@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import WORDS, build_requests, hf_greedy, qwen_prompt, run_greedy, run_to_completion
+from engine_harness import single_thread, WORDS, build_requests, hf_greedy, qwen_prompt, run_greedy, run_to_completion
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.families.registry import load_adapter
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny matmuls are ~20x slower with two threads on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.mark.parametrize(("arch", "count"), [("qwen2_5_vl", 30), ("llava", 24), ("qwen2_vl", 8)])
 def test_greedy_tokens_match_transformers(arch, count, tiny_model_dir):

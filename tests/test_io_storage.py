@@ -105,3 +105,26 @@ def test_other_fsspec_protocols_work_through_fsspec(tmp_path: Path) -> None:
     assert target.storage.put_new(tmp_path / "x", target.path)
     assert target.read_bytes() == b"in memory" and target.open_input().read() == b"in memory"
     assert not target.storage.put_new(tmp_path / "x", target.path)  # fsspec's create mode refuses an existing file
+
+
+def test_object_media_reads_under_the_media_rules(s3_server: S3Endpoint, tmp_path: Path) -> None:
+    """`s3://` media of a row: the bucket allow-list, missing objects and the size cap (from
+    the object's metadata) are row errors; an allowed object's bytes come back whole."""
+    from vlmbatch.errors import RowError
+    from vlmbatch.io.storage import ObjectMedia
+
+    key = f"media-{uuid.uuid4().hex[:8]}/a.bin"
+    with s3_server.arrow_fs().open_output_stream(f"{s3_server.bucket}/{key}") as out:
+        out.write(b"x" * 1000)
+    url = f"s3://{s3_server.bucket}/{key}"
+    options = s3_server.storage_options()
+    assert ObjectMedia(options)(url, 10_000) == b"x" * 1000
+    assert ObjectMedia(options, (s3_server.bucket,))(url, 10_000) == b"x" * 1000
+    for reader, target, cap, error_type in [
+        (ObjectMedia(options, ("another-bucket",)), url, 10_000, "media_forbidden"),
+        (ObjectMedia(options), url + ".missing", 10_000, "media_not_found"),
+        (ObjectMedia(options), url, 999, "media_too_large"),
+    ]:
+        with pytest.raises(RowError) as refused:
+            reader(target, cap)
+        assert refused.value.error_type == error_type, refused.value.message

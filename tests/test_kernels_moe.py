@@ -229,7 +229,8 @@ def test_kernels_run_under_the_triton_interpreter():
 def test_kernels_compile_for_hopper_with_streamed_weights():
     """bf16 cannot be checked in the interpreter, so compile the bf16 kernels for sm_90 here:
     each must build; the grouped GEMMs must stream their tiles asynchronously (cp.async)
-    into tensor-core MMAs, the per-pair GEMVs load their weights 16 bytes at a time."""
+    into tensor-core MMAs, the per-pair GEMVs load their weights in vectors; the same with
+    FP8 (e4m3) expert weights and their float32 block scales."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -244,17 +245,23 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
     def signature(pointers: dict[str, str], ints: str) -> dict[str, str]:
         return pointers | dict.fromkeys(ints.split(), "i32")
 
-    gemm = signature({"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
-                      "num_padded_ptr": "*i32"}, "num_pairs num_blocks N K stride_am stride_we stride_wn stride_om")  # fmt: skip
-    for gated, block_m, tile in [(True, 16, GemmTile(64, 128, 1, 4, 4)), (False, 64, GemmTile(128, 64, 8, 4, 3))]:
-        constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True, DOT_PRECISION="tf32", PDL=False,
-                         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m)  # fmt: skip
-        ptx = build(_expert_gemm_kernel, gemm, constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
-        assert "cp.async" in ptx and "mma" in ptx, f"gated={gated}: tiles not pipelined into tensor-core MMAs"
-    gate_up = signature({"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "act_ptr": "*bf16"}, "N K num_experts stride_xm stride_we stride_wn stride_am")
-    assert "ld.global.v4" in build(_pair_gate_up_kernel, gate_up, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True), num_warps=2)
-    down = signature({"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "routing_ptr": "*bf16", "out_ptr": "*bf16"}, "N K num_experts stride_am stride_we stride_wn stride_om")
-    assert "ld.global.v4" in build(_token_down_kernel, down, dict(TOP_K=8, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=False), num_warps=4)
+    for weights, fp8 in (("*bf16", {"FP8_W": False, "SCALE_ROWS": 1}), ("*fp8e4nv", {"FP8_W": True, "SCALE_ROWS": 128})):
+        gemm = signature({"a_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i32",
+                          "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
+                         "num_pairs num_blocks N K stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
+        for gated, block_m, tile in [(True, 16, GemmTile(64, 128, 1, 4, 4)), (False, 64, GemmTile(128, 64, 8, 4, 3))]:
+            constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True, DOT_PRECISION="tf32",
+                             PDL=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, **fp8)  # fmt: skip
+            ptx = build(_expert_gemm_kernel, gemm, constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            assert "cp.async" in ptx and "mma" in ptx, f"gated={gated} {weights}: tiles not pipelined into tensor-core MMAs"
+        gate_up = signature({"x_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "ids_ptr": "*i64", "act_ptr": "*bf16"},
+                            "N K num_experts stride_xm stride_we stride_wn stride_wse stride_wsn stride_am")  # fmt: skip
+        ptx = build(_pair_gate_up_kernel, gate_up, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True, **fp8), num_warps=2)
+        assert "ld.global.v4" in ptx or "ld.global.v2" in ptx
+        down = signature({"act_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "ids_ptr": "*i64", "routing_ptr": "*bf16", "out_ptr": "*bf16"},
+                         "N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
+        ptx = build(_token_down_kernel, down, dict(TOP_K=8, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=False, **fp8), num_warps=4)
+        assert "ld.global.v4" in ptx or "ld.global.v2" in ptx
     place = signature({"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
                       "num_pairs chunk num_chunks num_blocks num_experts")  # fmt: skip
     build(_place_pairs_kernel, place, dict(BLOCK_M=16, E_PAD=128, ROWS=64, COUNT_HERE=False, PDL=True), num_warps=4)

@@ -144,6 +144,37 @@ def test_n_choices_and_seeded_sampling_are_reproducible(client: openai.OpenAI, t
     assert sorted(finishes) == [0, 1]
 
 
+def test_n_choices_with_logprobs_in_openai_shape_streamed_or_not(client: openai.OpenAI, adapter, tiny_qwen: Path) -> None:
+    ask = dict(model=str(tiny_qwen), messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=6,
+               temperature=1.0, seed=7, n=2, logprobs=True, top_logprobs=3, presence_penalty=0.5,
+               extra_body={"ignore_eos": True, "repetition_penalty": 1.1})
+    whole = client.chat.completions.create(**ask)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.choices[0].message.content != whole.choices[1].message.content  # seed, seed + 1
+    special = set(adapter.tokenizer.all_special_tokens)  # not in the text (skip_special_tokens)
+    for choice in whole.choices:
+        content = choice.logprobs.content
+        assert len(content) == 6
+        for entry in content:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+            assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        text_bytes = b"".join(bytes(e.bytes) for e in content if e.token not in special)
+        assert text_bytes.decode("utf-8", errors="replace") == choice.message.content
+    streamed: dict[int, list] = {0: [], 1: []}
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed[choice.index].extend(choice.logprobs.content)
+    for choice in whole.choices:
+        got = streamed[choice.index]
+        assert [e.token for e in got] == [e.token for e in choice.logprobs.content]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-5)
+    greedy = client.chat.completions.create(**{**ask, "temperature": 0})
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content  # temperature 0: identical samples
+    plain = client.chat.completions.create(**{k: v for k, v in ask.items() if k not in ("logprobs", "top_logprobs")})
+    assert all(c.logprobs is None for c in plain.choices)
+
+
 def test_stop_string_cuts_the_text_in_both_modes(client: openai.OpenAI, tiny_qwen: Path) -> None:
     ask = dict(model=str(tiny_qwen), messages=[{"role": "user", "content": "Count for me"}], temperature=0, max_tokens=16)
     full = client.chat.completions.create(**ask).choices[0].message.content
@@ -252,8 +283,14 @@ def test_malformed_json_through_curl(server: ServerProcess) -> None:
         ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "model_not_found"),
         ({"messages": [{"role": "user", "content": "hi"}], "media_io_kwargs": {"video": {"backend": "pyav"}}},
          400, "media_io_kwargs.video", "invalid_row"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs", "invalid_request"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_request"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"not-a-token": 1}}, 400, None, "invalid_row"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400, "logit_bias", "invalid_row"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "min_tokens": 3}, 400, None, "invalid_row"),
     ],
-    ids=["image_url-string", "unknown-part", "too-long", "no-messages", "bad-temperature", "bad-role", "unknown-model", "request-picks-decoder"],
+    ids=["image_url-string", "unknown-part", "too-long", "no-messages", "bad-temperature", "bad-role", "unknown-model", "request-picks-decoder",
+         "top_logprobs-alone", "too-many-top_logprobs", "bad-logit_bias", "logit_bias-outside-vocabulary", "min_tokens-over-max"],
 )
 def test_client_mistakes(server: ServerProcess, body: dict, status: int, param: str, code: str) -> None:
     error = _error(_post(server, body), status)
@@ -413,3 +450,56 @@ def test_video_failures_name_their_part(server: ServerProcess, media: MediaServe
         body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, video]}], "max_tokens": 2}
         error = _error(_post(server, body), 400)
         assert (error["code"], error["param"]) == (code, "messages[0].content[1].video_url"), url
+
+
+# ---- metrics -------------------------------------------------------------------------
+
+
+def _scrape(server: ServerProcess) -> dict[tuple[str, frozenset], float]:
+    """/metrics over HTTP, parsed by prometheus-client's own parser: (name, labels) → value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/metrics", timeout=10)  # no key: outside /v1
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def test_metrics_during_and_after_requests(client: openai.OpenAI, server: ServerProcess, tiny_qwen: Path) -> None:
+    def value(metrics: dict, name: str, **labels: str) -> float:
+        return metrics.get((name, frozenset(labels.items())), 0.0)
+
+    before = _scrape(server)
+    stream = client.chat.completions.create(
+        model=str(tiny_qwen), temperature=0, max_tokens=400, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "count"}], extra_body={"ignore_eos": True},
+    )
+    chunks = [next(stream)]
+    during = _scrape(server)  # the request is still generating: 400 tokens take a while
+    chunks.extend(stream)
+    refused = _post(server, {"messages": [{"role": "user", "content": "hi"}]}, key="wrong")
+    assert refused.status_code == 401
+    after = _scrape(server)
+
+    assert value(during, "vlmbatch_server_requests_running") == 1
+    assert value(during, "vlmbatch_server_requests_waiting") == 0
+    assert 0 < value(during, "vlmbatch_server_kv_cache_usage_ratio") <= 1
+    assert value(after, "vlmbatch_server_kv_cache_usage_ratio") < value(during, "vlmbatch_server_kv_cache_usage_ratio")
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 400
+    grew = {name: value(after, name) - value(before, name) for name in (
+        "vlmbatch_server_prompt_tokens_total", "vlmbatch_server_generation_tokens_total",
+        "vlmbatch_server_request_latency_seconds_count", "vlmbatch_server_time_to_first_token_seconds_count",
+        "vlmbatch_server_inter_token_latency_seconds_count")}
+    assert grew == {"vlmbatch_server_prompt_tokens_total": usage.prompt_tokens,
+                    "vlmbatch_server_generation_tokens_total": 400,
+                    "vlmbatch_server_request_latency_seconds_count": 1,
+                    "vlmbatch_server_time_to_first_token_seconds_count": 1,
+                    "vlmbatch_server_inter_token_latency_seconds_count": 399}  # fmt: skip
+    path = "/v1/chat/completions"
+    assert value(after, "vlmbatch_server_requests_total", path=path, status="200") - value(
+        before, "vlmbatch_server_requests_total", path=path, status="200") == 1
+    assert value(after, "vlmbatch_server_requests_total", path=path, status="401") - value(
+        before, "vlmbatch_server_requests_total", path=path, status="401") == 1
+    # The engine and media work run in threads of the server's one process: nothing to orphan.
+    assert psutil.Process(server.process.pid).children(recursive=True) == []

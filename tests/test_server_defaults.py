@@ -69,3 +69,12 @@ def test_file_urls_are_off_without_an_allowed_folder(server: ServerProcess, tmp_
         body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["code"] in ("media_forbidden", "invalid_row")
+
+
+def test_s3_media_urls_are_off_without_allowed_buckets(server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "s3://bucket/cat.png"}}]}]}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("media_forbidden", "messages[0].content[0].image_url")
+    assert "--allowed-media-buckets" in error["message"]

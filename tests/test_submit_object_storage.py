@@ -104,7 +104,6 @@ def test_a_missing_object_is_refused_before_anything_is_written(s3_server: S3End
     [
         ("bad-option", "unknown option(s) ['endpoint']"),
         ("read-only", "cannot write the job's manifest to s3://"),
-        ("with-broker", "without a broker"),
     ],
 )
 def test_bad_object_storage_jobs_are_refused_by_plan_job(
@@ -112,14 +111,30 @@ def test_bad_object_storage_jobs_are_refused_by_plan_job(
 ) -> None:
     prefix = f"s3://{s3_server.bucket}/e2e-{uuid.uuid4().hex[:8]}"
     put(s3_server, f"{prefix}/rows.jsonl", json.dumps({"prompt": "hi"}).encode() + b"\n", tmp_path)
-    options, broker = s3_server.storage_options(), None
+    options = s3_server.storage_options()
     if case == "bad-option":
         options = {**options, "endpoint": options["endpoint_url"]}
     elif case == "read-only":  # may read the dataset, may not write the output
         options = s3_server.read_only().storage_options()
-    elif case == "with-broker":
-        broker = "redis://127.0.0.1:1/0"
     with pytest.raises(JobError) as refused:
-        plan_job(f"{prefix}/rows.jsonl", str(tiny_qwen), f"{prefix}/out", broker=broker, storage_options=options)
+        plan_job(f"{prefix}/rows.jsonl", str(tiny_qwen), f"{prefix}/out", storage_options=options)
     assert expected in str(refused.value)
     assert not resolve(f"{prefix}/out", s3_server.storage_options()).exists()
+
+
+def test_s3_media_urls_in_rows_load_through_the_media_rules(s3_server: S3Endpoint, tiny_qwen: Path, tmp_path: Path) -> None:
+    """Rows naming their images by s3:// URL (in-process job, local dataset): read with the
+    job's storage options; a missing object is that row's media_not_found."""
+    prefix = f"s3://{s3_server.bucket}/media-{uuid.uuid4().hex[:8]}"
+    put(s3_server, f"{prefix}/cat.png", png_bytes("green"), tmp_path)
+    dataset = tmp_path / "rows.jsonl"
+    rows = [{"id": "there", "prompt": qwen_prompt("Colour?"), "image": f"{prefix}/cat.png"},
+            {"id": "absent", "prompt": qwen_prompt("Colour?"), "image": f"{prefix}/dog.png"}]  # fmt: skip
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = vlmbatch("submit", str(dataset), "--model", str(tiny_qwen), "--output", str(tmp_path / "out"),
+                    "--storage-options", json.dumps(s3_server.storage_options()), "--engine", "hf", "--max-tokens", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_dir = tmp_path / "out" / proc.stdout.strip().splitlines()[0]
+    result = pq.read_table(job_dir / "results").sort_by("row_id").to_pylist()
+    assert [r["error_type"] for r in result] == [None, "media_not_found"], result
+    assert result[0]["num_input_tokens"] > 10  # the image's tokens are in the prompt

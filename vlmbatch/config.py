@@ -136,6 +136,9 @@ ENGINES = ("auto", "paged", "hf")
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "flash-attn")
 DECODE_LINEAR = ("auto", "skinny", "cublas")
 GPU_IMAGE_DECODE = ("auto", "on", "off")
+QUANTIZATION = ("none", "fp8", "fp8-block")
+KV_CACHE_DTYPES = ("auto", "fp8")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,16 @@ class EngineConfig(Options):
                                    help="JPEGs decoded by nvJPEG in the engine process (auto: paged engine on CUDA)")
     grammar_fill_threads: int = option(1, "VLMBATCH_GRAMMAR_FILL_THREADS",
                                        help="threads filling one step's structured-output masks (xgrammar's batch fill, GIL released)")
+    quantization: str = option("none", "VLMBATCH_QUANTIZATION", parse=_lower, choices=QUANTIZATION,
+                               help="fp8: quantize the language model's weights at load (per channel, dynamic per-token "
+                                    "activations); fp8-block: in 128x128 blocks (1x128 activation groups), as Qwen's -FP8 "
+                                    "releases; a checkpoint's own quantization_config always applies")
+    quantize_vision: bool = option(False, "VLMBATCH_QUANTIZE_VISION", help="with --quantization fp8: the vision tower's linear layers too")
+    kv_cache_dtype: str = option("auto", "VLMBATCH_KV_CACHE_DTYPE", parse=_lower, choices=KV_CACHE_DTYPES,
+                                 help="KV-cache element type: auto (the compute dtype) or fp8 (e4m3, per-tensor scale 1)")
+    load_format: str = option("auto", "VLMBATCH_LOAD_FORMAT", parse=_lower, choices=LOAD_FORMATS,
+                              help="auto (the checkpoint's weights) or dummy (random weights of its shapes, built on the device "
+                                   "in their final dtype, FP8 layers directly in fp8: benchmarks of models whose bf16 copy would not fit)")
     seed: int = option(0, "VLMBATCH_SEED", help="seeds torch, so unseeded sampling repeats run to run")
     trust_remote_code: bool = option(False, "VLMBATCH_TRUST_REMOTE_CODE", help="allow a checkpoint's own Python code")
 
@@ -229,6 +242,12 @@ class WorkerConfig(Options):
     pin_worker_cpus: bool = option(True, "VLMBATCH_PIN_WORKER_CPUS", help="run each GPU process only on its share of the cores")
     gpu_media_budget_mb: int = option(4096, "VLMBATCH_GPU_MEDIA_BUDGET_MB",
                                       help="MB of decoded media that rows in flight may hold on the GPU")
+    storage_options: dict[str, Any] | None = option(None, "VLMBATCH_STORAGE_OPTIONS", parse=json.loads,
+                                                    help="options of s3:// (fsspec) job folders and datasets, over the "
+                                                    "AWS configuration (`--storage-options`)")
+    metrics_port: int | None = option(None, "VLMBATCH_METRICS_PORT", parse=_optional(int),
+                                      help="Prometheus port of a `vlmbatch worker`'s first GPU process (the next "
+                                      "slots take the next ports); unset: no metrics endpoint")
 
     def __post_init__(self) -> None:
         if self.worker_cpus is not None and not isinstance(self.worker_cpus, frozenset):

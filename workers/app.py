@@ -83,8 +83,11 @@ def make_app(broker_url: str, queue: QueueConfig) -> Celery:
         # is committed to the folder anyway, and the redelivered message then finds the part
         # and returns at once. Cancelling it would throw the work away.
         worker_cancel_long_running_tasks_on_connection_loss=False,
-        # Nobody consumes task events; sending them is broker traffic per shard.
-        worker_send_task_events=False,
+        # Task events (received, started, succeeded, failed, retried, and "sent" from the
+        # client) and worker heartbeats, so Flower (or `celery events`) shows the workers and
+        # their shards: a handful of small messages per shard, nothing next to its minutes.
+        worker_send_task_events=True,
+        task_send_sent_event=True,
         # Jobs are controlled through our own Redis keys, not Celery's broadcast commands;
         # without the pidbox (a pub/sub consumer) a warm shutdown ends in well under a second.
         worker_enable_remote_control=False,

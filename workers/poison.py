@@ -10,11 +10,11 @@ down to single rows: a single row that crashed `crash_limit` times is written as
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.io.manifest import Manifest
+from vlmbatch.io.storage import Location
 from vlmbatch.job.preparer import RowPreparer
 from vlmbatch.job.shard import ShardOutcome, run_shard
 from vlmbatch.workers.store import JobStore, RowRange
@@ -36,7 +36,7 @@ def split(rows: RowRange, parts: int = SPLIT_PARTS) -> list[RowRange]:
 
 def run_guarded(
     manifest: Manifest,
-    job_dir: Path,
+    job_dir: Location,
     shard_id: int,
     llm: Any | None,
     store: JobStore,
@@ -88,11 +88,10 @@ def run_guarded(
 def crash_row(manifest: Manifest, shard_id: int, row_id: int, attempt: int, crashes: int) -> dict[str, Any]:
     """The error row for a poison row, with its id and passthrough columns read from the
     dataset (the raw row only: its media are not opened, they may be what crashes)."""
-    from vlmbatch.io.readers import open_dataset
     from vlmbatch.job.prepare import PreparedRow
     from vlmbatch.job.shard import ResultRowFactory
 
-    reader = open_dataset(manifest.dataset, manifest.columns, format=manifest.format)
+    reader = manifest.open_dataset()
     raw = next(raw for batch in reader.iter_shard(manifest.shards[shard_id]) for rid, raw in batch if rid == row_id)
     error = RowError(ErrorType.WORKER_CRASH, f"this row killed its worker process {crashes} times; skipped")
     return ResultRowFactory(manifest, shard_id, attempt).failed(PreparedRow(row_id=row_id, raw=raw), error)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import redis
 
     from vlmbatch.job.preparer import RowPreparer
+    from vlmbatch.workers.metrics import WorkerMetrics
 
 
 def new_worker_id(slot: str) -> str:
@@ -39,6 +40,8 @@ class WorkerRuntime:
     engine: EngineConfig  # how `llm` runs (its GPU image decoding is every job's default)
     queue: QueueConfig  # leases and poison-row isolation
     slot: str = "cpu"  # the GPU this process is pinned to
+    storage_options: dict[str, Any] = field(default_factory=dict)  # for s3:// job folders (over the AWS configuration)
+    metrics: WorkerMetrics | None = None  # Prometheus metrics, when `--metrics-port` is set
     worker_id: str = field(init=False)
 
     def __post_init__(self) -> None:

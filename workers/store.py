@@ -71,14 +71,20 @@ class JobStore:
         return f"{KEY_PREFIX}:lease:{self.job_id}:{shard_id}"
 
     # --- registration and cancel ---------------------------------------------------
-    def register(self, job_dir: str, model: str, queue: str, num_shards: int, num_rows: int) -> None:
-        self.client.hset(
-            self.key("meta"),
-            mapping={"job_dir": job_dir, "model": model, "queue": queue, "num_shards": num_shards, "num_rows": num_rows},
-        )
+    def register(self, job_dir: str, model: str, queue: str, num_shards: int, num_rows: int | None) -> None:
+        """Record the job, with its folder and its manifest's URL: what lets every command
+        find a job by its bare id (`job_dir`). `num_rows` is None for JSONL on object storage."""
+        meta = {"job_dir": job_dir, "manifest": f"{job_dir.rstrip('/')}/manifest.json", "model": model, "queue": queue,
+                "num_shards": num_shards}
+        self.client.hset(self.key("meta"), mapping={**meta, **({} if num_rows is None else {"num_rows": num_rows})})
 
     def is_registered(self) -> bool:
         return bool(self.client.exists(self.key("meta")))
+
+    def job_dir(self) -> str | None:
+        """The job's folder (a path or a URL) as submit recorded it; None for a job this Redis does not know."""
+        value = self.client.hget(self.key("meta"), "job_dir")
+        return value.decode() if value is not None else None
 
     def cancel(self) -> None:
         self.client.set(self.key("cancel"), "1")

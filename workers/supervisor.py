@@ -10,10 +10,16 @@ own session so a terminal's Ctrl+C reaches only the supervisor, which forwards e
 SIGTERM/SIGINT/SIGQUIT exactly once: that keeps Celery's "first Ctrl+C warm, second cold"
 meaning intact. A child that dies (OOM, `kill -9`, a poison row) is restarted after a
 short back-off; its shard comes back to the queue through the visibility timeout.
+
+Children never outlive the supervisor, whatever kills it (`kill -9` included): each one
+sets the parent-death signal on itself and watches its parent (`vlmbatch.lifeline`, given
+this process's id on its command line), and their preprocessing pools watch them in turn.
+A shard a dying child held is delivered again, as after any crash.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -24,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from vlmbatch.workers.process import ProcessConfigs
 
@@ -84,14 +91,17 @@ def cpu_shares(slots: list[str], cores: set[int] | None = None,
     return shares
 
 
-def pinned_env(slot: str, cpus: list[int] | None = None) -> dict[str, str]:
+def pinned_env(slot: str, cpus: list[int] | None = None, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
     """This process's environment, with CUDA showing the child only its own GPU and, given
-    `cpus`, `VLMBATCH_WORKER_CPUS` naming its share of the cores (`WorkerConfig.worker_cpus`)."""
+    `cpus`, `VLMBATCH_WORKER_CPUS` naming its share of the cores (`WorkerConfig.worker_cpus`);
+    `storage_options` (possibly credentials) go as `VLMBATCH_STORAGE_OPTIONS`."""
     env = dict(os.environ)
     if slot != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = slot
     if cpus:
         env["VLMBATCH_WORKER_CPUS"] = ",".join(map(str, cpus))
+    if storage_options:
+        env["VLMBATCH_STORAGE_OPTIONS"] = json.dumps(storage_options)
     return env
 
 
@@ -116,13 +126,20 @@ class Supervisor:
         self.stopping = False
         self.cpus = cpu_shares(slots)
 
+    def metrics_port(self, slot: str) -> int | None:
+        """The Prometheus port of `slot`'s process: `--metrics-port` plus the slot's index."""
+        base = self.configs.worker.metrics_port
+        return None if base is None else base + self.slots.index(slot)
+
     def command(self, slot: str) -> list[str]:
         cmd = [sys.executable, "-m", "vlmbatch.workers.process", "--model", self.model]
-        cmd += ["--broker", self.broker_url, "--slot", slot, *self.configs.to_args()]
+        cmd += ["--broker", self.broker_url, "--slot", slot, "--supervisor-pid", str(os.getpid())]
+        cmd += self.configs.to_args(self.metrics_port(slot))
         return cmd + (["--dry-run"] if self.dry_run else [])
 
     def spawn(self, slot: str, delay: float = MIN_RESTART_DELAY) -> None:
-        process = subprocess.Popen(self.command(slot), env=pinned_env(slot, self.cpus.get(slot)), start_new_session=True)
+        env = pinned_env(slot, self.cpus.get(slot), self.configs.worker.storage_options)
+        process = subprocess.Popen(self.command(slot), env=env, start_new_session=True)
         self.children[slot] = Child(slot, process, time.monotonic(), delay)
         log.info("worker process %d started on slot %s", process.pid, slot)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from vlmbatch.io.manifest import Manifest
@@ -46,7 +45,7 @@ def run_shard_task(task: Any, job_dir: str, shard_id: int, retry_errors: bool = 
 def _run_delivered(task: Any, job_dir: str, shard_id: int, retry_errors: bool, worker: runtime.WorkerRuntime) -> str:
     from celery.exceptions import Reject
 
-    manifest = Manifest.load(job_dir)
+    manifest = Manifest.load(job_dir, worker.storage_options)  # a folder or an s3:// prefix
     store = JobStore(worker.redis, manifest.job_id)
     committed = manifest.part_path(shard_id).exists
     if committed() != retry_errors:
@@ -67,7 +66,7 @@ def _run_delivered(task: Any, job_dir: str, shard_id: int, retry_errors: bool, w
         with lease:
             if committed() != retry_errors:
                 return "already committed" if committed() else "no part to retry"
-            return _run_leased(manifest, Path(job_dir), shard_id, worker, store, lease, retry_errors)
+            return _run_leased(manifest, shard_id, worker, store, lease, retry_errors)
     except Exception as exc:
         if not _stopped_early(exc):
             raise
@@ -95,7 +94,6 @@ def _stopped_early(exc: BaseException) -> bool:
 
 def _run_leased(
     manifest: Manifest,
-    job_dir: Path,
     shard_id: int,
     worker: runtime.WorkerRuntime,
     store: JobStore,
@@ -104,6 +102,7 @@ def _run_leased(
 ) -> str:
     from celery.worker import state as worker_state
 
+    job_dir = manifest.job_dir
     attempt = store.next_attempt(shard_id)
     store.start_attempt(shard_id)
     store.set_shard_state(shard_id, "running", worker=worker.worker_id, attempt=attempt)
@@ -134,8 +133,12 @@ def _run_leased(
                 store.add_rows(shard_id, *unsent)
             unsent[:] = [0, 0]
 
+    metrics = worker.metrics
     options: dict[str, Any] = {"attempt": attempt, "should_stop": should_stop, "on_progress": on_progress,
-                               "preparer": worker.preparer, "slot": worker.slot}
+                               "preparer": worker.preparer, "slot": worker.slot,
+                               "on_row": metrics.row_finished if metrics is not None else None}
+    if metrics is not None:
+        metrics.shard_started()
     try:
         if retry_errors:
             if run_shard(manifest, job_dir, shard_id, worker.llm, retry_errors=True, **options).stopped:
@@ -143,10 +146,15 @@ def _run_leased(
         else:
             run_guarded(manifest, job_dir, shard_id, worker.llm, store, worker.queue.poison_crashes, **options)
     except Exception as exc:
-        if not _stopped_early(exc):
+        stopped = _stopped_early(exc)
+        if metrics is not None:
+            metrics.shard_ended("stopped" if stopped else "failed")
+        if not stopped:
             with advisory("record the failed shard"):
                 store.set_shard_state(shard_id, "failed", worker=worker.worker_id, error=f"{type(exc).__name__}: {exc}")
         raise
+    if metrics is not None:
+        metrics.shard_ended("committed")
     ok, failed = part_counts(manifest.part_path(shard_id))  # the part, not this run: exact
     with advisory("record the committed shard"):
         store.set_rows(shard_id, ok, failed)

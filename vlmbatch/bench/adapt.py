@@ -112,3 +112,13 @@ def encoder_cache_keys(engine) -> list[str]:
 
 def clear_encoder_cache(engine) -> None:
     engine.model.encoder_cache.clear()
+
+
+def memory_summary(engine) -> dict[str, float]:
+    """The KV cache the engine sized from what the weights left (blocks, tokens, GiB), and
+    the GiB its decoder's weights take (FP8 weights at one byte)."""
+    runner = engine.runner
+    decoder = engine.model.decoder
+    weights = sum(t.numel() * t.element_size() for t in [*decoder.parameters(), *decoder.buffers()])
+    return {"kv_blocks": runner.num_kv_blocks, "kv_tokens": runner.num_kv_blocks * runner.block_size,
+            "kv_gib": runner.num_kv_blocks * runner.block_bytes / 2**30, "decoder_weights_gib": weights / 2**30}

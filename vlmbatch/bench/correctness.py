@@ -43,11 +43,12 @@ class LogitReference:
     transformers_low_precision: dict[str, float] | None
 
 
-def logit_reference(hf_model, adapter, prompts: int, decode_steps: int, device: torch.device) -> LogitReference:
+def logit_reference(hf_model, adapter, prompts: int, decode_steps: int, device: torch.device,
+                    min_bound: float | None = None) -> LogitReference:
     """Reference logits from an fp32 copy of `hf_model` on `prompts` W1 requests. When
     `hf_model` itself is in a lower precision, its own error against fp32 sets the bound:
     ours may be off by at most twice what `transformers` loses (and 2e-2 at least); in fp32
-    the bound is 1e-4."""
+    the bound is 1e-4. `min_bound` raises the floor (FP8: `bench.fp8.FP8_MIN_BOUND`)."""
     workload = build_workload("w1", adapter, prompts, seed=7)
     rng = random.Random(1)
     continuations = [[rng.randrange(100, len(adapter.tokenizer)) for _ in range(decode_steps)] for _ in range(prompts)]
@@ -58,6 +59,7 @@ def logit_reference(hf_model, adapter, prompts: int, decode_steps: int, device: 
     free_memory(device)
     hf_errors = relative_errors(reference_logits(hf_model, adapter, workload, continuations, device), logits) if low_precision else None
     bound = max(2 * hf_errors["max_rel_err"], 2e-2) if hf_errors else 1e-4
+    bound = max(bound, min_bound or 0.0)
     return LogitReference(workload, continuations, logits, bound, hf_errors)
 
 

@@ -33,6 +33,7 @@ from vlmbatch.bench.peers.hf import run_hf_peer
 from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
+from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model, vllm_model_folder
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
 from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, use_full_size_vocab, warm_compile
 from vlmbatch.bench.timing import RunResult, run_engine
@@ -73,6 +74,13 @@ class BenchOptions:
     structured_schema: dict[str, Any] | None = None  # W1 again under this JSON schema ("w1+schema")
     mask_batches: tuple[int, ...] = (64, 256)  # batch sizes the mask's cost per step is measured at
     grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads of the timed engine
+    # fp8 / fp8-block: online FP8 on our engine, per channel or in 128x128 blocks (the logit
+    # reference holds the round-tripped weights; vLLM gets the same format as a dummy checkpoint)
+    quantization: str = "none"
+    # dummy: our engine builds random weights itself, FP8 directly in fp8 (the 72B shapes on one
+    # GPU); no generate() peer, logits only with --reference-layers (a cut bf16 model)
+    load_format: str = "auto"
+    kv_cache_dtype: str = "auto"  # fp8: our engine's KV cache in e4m3
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
@@ -169,12 +177,14 @@ def _check_row(name: str, errors: dict[str, Any], bound: float) -> str:
             f"-> {'ok' if errors['ok'] else 'FAIL'}")
 
 
-def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int):
+def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+            load_format: str | None = None):
     return adapt.paged_engine(
         adapter, hf_model, dtype=dtype, device=device, max_model_len=workload_prompt_tokens(adapter) + W2_OUTPUT_RANGE[1],
         max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
-        attention_backend=options.attention_backend, async_decode=options.async_decode,
+        attention_backend=options.attention_backend, async_decode=options.async_decode, quantization=options.quantization,
+        load_format=load_format or options.load_format, kv_cache_dtype=options.kv_cache_dtype,
         grammar_fill_threads=options.grammar_fill_threads,
     )
 
@@ -184,7 +194,8 @@ def random_engine(shape: ModelShape, workdir: Path, options: BenchOptions, dtype
     from vlmbatch.families.registry import load_adapter
 
     folder = write_model_folder(shape, workdir)
-    return _engine(load_adapter(str(folder)), random_hf_model(folder, dtype, device), options, dtype, device, max(options.decode_batches))
+    hf_model = None if options.load_format == "dummy" else random_hf_model(folder, dtype, device)
+    return _engine(load_adapter(str(folder)), hf_model, options, dtype, device, max(options.decode_batches))
 
 
 def _reduced_correctness(shape: ModelShape, options: BenchOptions, workdir: Path, dtype: torch.dtype, device: torch.device,
@@ -202,8 +213,12 @@ def _reduced_correctness(shape: ModelShape, options: BenchOptions, workdir: Path
     folder = write_model_folder(cut, workdir)
     adapter = load_adapter(str(folder))
     hf_model = random_hf_model(folder, dtype, device)
-    reference = logit_reference(hf_model, adapter, options.check_prompts, options.decode_steps, device)
-    engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
+    fp8 = options.quantization != "none"
+    if fp8:
+        round_trip_language_model(hf_model, options.quantization)
+    reference = logit_reference(hf_model, adapter, options.check_prompts, options.decode_steps, device,
+                                min_bound=FP8_MIN_BOUND if fp8 else None)
+    engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs, load_format="auto")
     del hf_model
     correctness = check_backends(engine, reference, list(options.backends) or available_backends(device), ceilings)
     correctness["reference_layers"] = layers
@@ -266,8 +281,14 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         reduced = None
         if options.reference_layers and shape is not None:
             reduced = phases.run("correctness-reduced", _reduced_correctness, shape, options, Path(tmp), dtype, device, ceilings)
-        hf_model = load_hf_model(options.model, dtype, device) if options.model else random_hf_model(folder, dtype, device)
-        if "hf" in options.peers:
+        dummy = options.load_format == "dummy"  # our engine builds its own random weights: no transformers copy
+        if dummy:
+            hf_model = None
+        else:
+            hf_model = load_hf_model(options.model, dtype, device) if options.model else random_hf_model(folder, dtype, device)
+        if "hf" in options.peers and dummy:
+            report["peers"]["hf"] = {"status": "skipped", "reason": "--load-format dummy builds no transformers model"}
+        elif "hf" in options.peers:
             report["peers"]["hf"] = {"status": "ran"}
             for name, workload in workloads.items():
                 for batch_size in options.peer_batches if peer_counts[name] else ():  # 0 requests: not on this workload
@@ -275,10 +296,16 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
                                         workload.head(peer_counts[name]), batch_size, device, echo)
                     if result is not None:
                         record(result)
-        reference = None if options.reference_layers else logit_reference(hf_model, adapter, options.check_prompts,
-                                                                           options.decode_steps, device)
+        fp8 = options.quantization != "none"
+        if fp8 and hf_model is not None:  # the reference holds the weights our engine will run
+            round_trip_language_model(hf_model, options.quantization)
+        reference = None if options.reference_layers or dummy else logit_reference(
+            hf_model, adapter, options.check_prompts, options.decode_steps, device, min_bound=FP8_MIN_BOUND if fp8 else None)
         engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
+        memory = report["memory"] = adapt.memory_summary(engine)
+        echo(f"memory: decoder weights {memory['decoder_weights_gib']:.1f} GiB; KV cache {memory['kv_blocks']} blocks = "
+             f"{memory['kv_tokens']} tokens ({memory['kv_gib']:.1f} GiB) sized from what is left")
         report.update(adapt.vision_tower(engine))
         echo(f"vision tower: {report['vision_tower']} (transformers' attention batched per window length: {report['packed_vision_attention']})")
         if reference is not None:
@@ -382,6 +409,8 @@ def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapte
     free_before = torch.cuda.mem_get_info(device)[0]
     echo(f"vllm: {len(timed)} workloads of {options.requests} requests after {VLLM_WARMUP_REQUESTS} warm-up requests, in a child process")
     structured = {"workload": "w1", "schema": options.structured_schema} if options.structured_schema and "w1" in timed else None
+    if options.quantization != "none" and not options.model:  # the same FP8 format as ours, dummy weights
+        folder = vllm_model_folder(folder, options.quantization)
     result = run_vllm_peer(folder, "auto" if options.model else "dummy", warmup, list(timed.values()),
                            options.vllm_gpu_memory_utilization, options.vllm_timeout_s, workdir, env, list(options.vllm_pythonpath),
                            structured)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
+from vlmbatch.bench.fp8 import bench_fp8_linear
 from vlmbatch.bench.roofline import measure_ceilings
 from vlmbatch.kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
 from vlmbatch.kernels.kv_cache_write import store_kvcache
@@ -82,6 +83,7 @@ class BenchReport:
     decode: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
     linear: list[dict] = field(default_factory=list)
+    fp8: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -376,6 +378,10 @@ def run_kernel_bench(
         report.linear = bench_linear(device, report.ceilings["copy_tb_s"], sweep_configs)
         section("decode linear layers (bf16; weight_tb_s = weight bytes / time; cuBLAS and the best skinny config)",
                 best_linear_rows(report.linear), ["model", "layer", "rows", "variant", "us", "weight_tb_s", "pct_of_copy", "rel_err"])  # fmt: skip
+    if "fp8" in sections:
+        report.fp8 = bench_fp8_linear(device, report.ceilings["copy_tb_s"], LINEAR_SHAPES, graph_ms_per_call, LINEAR_BYTES_PER_GRAPH)
+        section("fp8 linear layers (quantization of the input included; weight_tb_s = weight bytes / time)",
+                report.fp8, ["model", "layer", "rows", "variant", "us", "weight_tb_s", "pct_of_copy", "rel_err"])  # fmt: skip
     if json_path is not None:
         echo(f"\nwrote {json_path}")
     return report

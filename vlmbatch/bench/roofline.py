@@ -35,26 +35,30 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     return {"copy_bytes_per_s": 2 * src.numel() / copy_s, "matmul_flops_per_s": 2 * n**3 / matmul_s}
 
 
-def decode_step_cost(decoder, batch: int, context: int) -> tuple[float, float]:
+def decode_step_cost(decoder, batch: int, context: int, kv_itemsize: int | None = None) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of `batch` sequences with `context` cached tokens:
-    every dense weight but the embedding table is read once; of a mixture-of-experts layer
+    every dense weight but the embedding table is read once, at its own element size (1
+    byte for FP8 weights, plus their scales); of a mixture-of-experts layer
     only the experts the batch routes to, as many as `batch` uniform top-k draws are expected
     to hit (E * (1 - (1 - k/E)^batch)); each sequence reads its KV."""
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
     from vlmbatch.engine.layers.moe import FusedMoE
 
     itemsize = decoder.embed_tokens.weight.dtype.itemsize
     experts = [m for m in decoder.modules() if isinstance(m, FusedMoE)]
     expert_params = {id(p) for m in experts for p in (m.gate_up, m.down)}
-    dense = sum(p.numel() for name, p in decoder.named_parameters() if not name.startswith("embed_tokens") and id(p) not in expert_params)
-    nbytes, flops = dense * itemsize, 2 * dense * batch
+    dense = [p for name, p in decoder.named_parameters() if not name.startswith("embed_tokens") and id(p) not in expert_params]
+    fp8 = [m for m in decoder.modules() if isinstance(m, Fp8Linear)]  # 1-byte weight buffers, float32 scales
+    nbytes = sum(p.numel() for p in dense) * itemsize + sum(m.weight.numel() + 4 * m.weight_scale.numel() for m in fp8)
+    flops = 2 * batch * (sum(p.numel() for p in dense) + sum(m.weight.numel() for m in fp8))
     for moe in experts:
         count, top_k = moe.gate_up.shape[0], moe.top_k
         per_expert = moe.gate_up[0].numel() + moe.down[0].numel()
-        nbytes += count * (1 - (1 - top_k / count) ** batch) * per_expert * itemsize
+        nbytes += count * (1 - (1 - top_k / count) ** batch) * per_expert * moe.gate_up.element_size()  # 1 byte: FP8 experts
         flops += 2 * batch * top_k * per_expert
     layers, kv_heads, head_dim = len(decoder.layers), decoder.num_kv_heads, decoder.head_dim
     q_heads = decoder.layers[0].self_attn.num_heads
-    nbytes += batch * context * layers * 2 * kv_heads * head_dim * itemsize
+    nbytes += batch * context * layers * 2 * kv_heads * head_dim * (kv_itemsize or itemsize)  # an FP8 cache: 1 byte
     flops += batch * layers * 4 * context * q_heads * head_dim
     return nbytes, flops
 
@@ -66,7 +70,7 @@ def decode_roofline(engine, batch: int, ceilings: dict[str, float], steps: int =
     workload = build_workload("w1", engine.adapter, batch, seed=batch)
     result = run_engine(engine, adapt.engine_prompts(workload, engine.adapter, engine.runner.dtype), [steps] * batch, f"decode-b{batch}")
     context = workload.prompt_tokens + steps // 2
-    nbytes, flops = decode_step_cost(adapt.decoder(engine), batch, context)
+    nbytes, flops = decode_step_cost(adapt.decoder(engine), batch, context, engine.runner.kv_dtype.itemsize)
     bound_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
     measured_s = result.decode_step_ms / 1000
     steps_run = max(1, result.extra["num_decode_steps"])

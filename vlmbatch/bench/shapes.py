@@ -108,6 +108,12 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                          intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
                vision=dict(_QWEN25_VISION, out_hidden_size=3584), top={"tie_word_embeddings": False},
                image_processor=_QWEN25_IMAGE, source="Qwen/Qwen2.5-VL-7B-Instruct config.json"),
+    ModelShape("qwen2_5_vl_72b", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+               text=dict(_QWEN25_TEXT, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                         intermediate_size=29568, vocab_size=152064, tie_word_embeddings=False),
+               vision=dict(_QWEN25_VISION, out_hidden_size=8192), top={"tie_word_embeddings": False},
+               image_processor=_QWEN25_IMAGE,
+               source="Qwen/Qwen2.5-VL-72B-Instruct config.json (146 GB in bf16: run it with --quantization fp8 --load-format dummy)"),
     ModelShape("qwen3_vl_8b", "qwen3_vl", "Qwen3VLForConditionalGeneration",
                text=dict(_QWEN3_TEXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                          num_key_value_heads=8),
@@ -160,7 +166,7 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                source="HuggingFaceTB/SmolVLM2-2.2B-Instruct config.json (SmolVLM paper: SigLIP-SO400M + SmolLM2-1.7B, "
                       "RoPE base 273k, 16k context); W1's image bound above"),
 )}
-ALIASES = {"3b": "qwen2_5_vl_3b", "7b": "qwen2_5_vl_7b"}
+ALIASES = {"3b": "qwen2_5_vl_3b", "7b": "qwen2_5_vl_7b", "72b": "qwen2_5_vl_72b"}
 
 
 class ShapeError(ValueError):

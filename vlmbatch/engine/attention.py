@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmbatch.kernels.reference import to_cache_ref
+
 
 @dataclass
 class AttentionMetadata:
@@ -50,8 +52,11 @@ class AttentionBackend(ABC):
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Write this step's keys/values [num_tokens, kv_heads, head_dim] into their slots."""
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+        for cache, values in ((k_cache, k), (v_cache, v)):
+            values = to_cache_ref(values, cache.dtype)
+            if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+                cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+            cache.view(-1, *values.shape[1:]).index_copy_(0, meta.slot_mapping, values)
 
     def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta: AttentionMetadata, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k with `rotary`, store the rotated k and v; returns (q, k) rotated."""
@@ -68,9 +73,10 @@ class AttentionBackend(ABC):
         """q [num_seqs, heads, dim] -> out, same shape. Must be CUDA-graph capturable."""
 
 
-def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence as [length, kv_heads, dim]."""
-    return cache[block_ids.long()].flatten(0, 1)[:length]
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as [length, kv_heads, dim], in
+    `dtype` (an FP8 cache is read back in the compute dtype)."""
+    return cache[block_ids.long()].flatten(0, 1)[:length].to(dtype)
 
 
 class TorchBackend(AttentionBackend):
@@ -101,7 +107,7 @@ class TorchBackend(AttentionBackend):
                 mask, causal = None, True
             else:
                 blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size]
-                keys, values = _gather_context(k_cache, blocks, ctx), _gather_context(v_cache, blocks, ctx)
+                keys, values = _gather_context(k_cache, blocks, ctx, q.dtype), _gather_context(v_cache, blocks, ctx, q.dtype)
                 positions = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
                 mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= positions, False
             out[start:end] = F.scaled_dot_product_attention(
@@ -113,8 +119,8 @@ class TorchBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, meta, scale):
         num_seqs, max_blocks = meta.block_tables.shape
         blocks = meta.block_tables.clamp(min=0).long()
-        keys = k_cache[blocks].flatten(1, 2)  # [num_seqs, max_blocks * block_size, kv_heads, dim]
-        values = v_cache[blocks].flatten(1, 2)
+        keys = k_cache[blocks].flatten(1, 2).to(q.dtype)  # [num_seqs, max_blocks * block_size, kv_heads, dim]
+        values = v_cache[blocks].flatten(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[1], device=q.device)
         mask = (positions.unsqueeze(0) < meta.context_lens.unsqueeze(1))[:, None, None, :]
         out = F.scaled_dot_product_attention(

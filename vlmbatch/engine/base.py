@@ -8,12 +8,23 @@ outputs each step returns. A static-batch engine may return everything in one st
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.outputs import RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.families.prompt import PreparedPrompt
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is right now, for metrics (read from another thread at scrape time:
+    plain counts, no device work)."""
+
+    running: int  # sequences being generated
+    waiting: int  # sequences queued for admission
+    kv_cache_usage: float  # share of the KV-cache blocks in use, 0..1
 
 
 class Engine(ABC):
@@ -45,3 +56,8 @@ class Engine(ABC):
 
     @abstractmethod
     def has_unfinished_requests(self) -> bool: ...
+
+    def load(self) -> EngineLoad | None:
+        """Running and waiting sequences and KV-cache use; None for an engine without a
+        scheduler or a paged KV cache (the `hf` reference)."""
+        return None

@@ -40,6 +40,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.num_prefix_hit_tokens = 0  # stats: tokens whose prefill a cache hit skipped
+        self.num_forked_tokens = 0  # stats: prompt tokens a forked sample shares instead of computing
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +77,19 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let `child` (a sample of the same prompt, without blocks) share the parent's full
+        prompt blocks, whose KV the parent has computed: their ref counts go up and the
+        child computes only the rest (the partial last block, at least the last token,
+        whose logits it samples from), so it never writes into a shared block."""
+        shared = min((parent.num_prompt_tokens - 1) // self.block_size, parent.num_computed_tokens // self.block_size)
+        for block_id in parent.block_table[:shared]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.block_hashes = list(parent.block_hashes[:shared])
+        child.num_computed_tokens = shared * self.block_size
+        self.num_forked_tokens += child.num_computed_tokens
 
     def _blocks_to_add(self, seq: Sequence, num_tokens: int, hits: list[int]) -> int:
         table_len = len(seq.block_table) + len(hits)

@@ -15,13 +15,22 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
-from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
+from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.stopping import find_stop
 from vlmbatch.engine.structured_decoding import GrammarState, StructuredDecoding
@@ -49,14 +58,45 @@ class _Ending:
     text: str | None = None  # set when a stop string cut the text mid-token
 
 
-def _batch_key(params: SamplingParams, request_id: str) -> tuple:
+def _batch_key(params: SamplingParams, request: "_Request") -> tuple:
     """Requests in one `generate()` call must share these settings. A seeded sampling
-    request runs alone, so its tokens do not depend on what it was batched with."""
+    request runs alone, so its tokens do not depend on what it was batched with. Requests
+    with a repetition penalty batch only with prompts of their length: transformers'
+    processor would count a padded row's padding as seen tokens."""
+    adjustments = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_tokens,
+                   params.logit_bias, request.prompt.num_tokens if params.repetition_penalty != 1.0 else None)
     if params.greedy:
-        return ("greedy", params.ignore_eos, params.n)
+        return ("greedy", params.ignore_eos, params.n, adjustments)
     if params.seed is not None:
-        return ("seeded", request_id)
-    return ("sample", params.temperature, params.top_p, params.top_k, params.ignore_eos, params.n)
+        return ("seeded", request.request_id)
+    return ("sample", params.temperature, params.top_p, params.top_k, params.ignore_eos, params.n, adjustments)
+
+
+class OpenAIPenaltiesLogitsProcessor(LogitsProcessor):
+    """OpenAI's `frequency_penalty` x count + `presence_penalty` over the generated tokens
+    (those past `prompt_length`); transformers has no processor for them."""
+
+    def __init__(self, prompt_length: int, frequency_penalty: float, presence_penalty: float):
+        self.prompt_length, self.frequency, self.presence = prompt_length, frequency_penalty, presence_penalty
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids[:, self.prompt_length :]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def logits_processors(params: SamplingParams, prompt_length: int, eos_token_ids: list[int]) -> LogitsProcessorList:
+    """`params`' logit adjustments as transformers processors, in `SamplingParams`' order."""
+    processors = LogitsProcessorList()
+    if params.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor({(token,): bias for token, bias in params.logit_bias}))
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.frequency_penalty or params.presence_penalty:
+        processors.append(OpenAIPenaltiesLogitsProcessor(prompt_length, params.frequency_penalty, params.presence_penalty))
+    if params.min_tokens > 0 and eos_token_ids:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, eos_token_ids))
+    return processors
 
 
 def generate_inputs(hf_model: torch.nn.Module, adapter: ModelAdapter, prompts: list[PreparedPrompt],
@@ -91,12 +131,13 @@ class _RequestsDone(StoppingCriteria):
         self.honours_eos = torch.tensor([not p.ignore_eos for p in params], device=device)
         self.max_tokens = torch.tensor([p.max_tokens for p in params], device=device)
         self.stops = {row: p.stop for row, p in enumerate(params) if p.stop}
+        self.min_tokens = [p.min_tokens for p in params]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         generated = input_ids.shape[1] - self.prompt_len
         done = (torch.isin(input_ids[:, -1], self.eos) & self.honours_eos) | (generated >= self.max_tokens)
         for row, stops in self.stops.items():
-            if find_stop(self.engine.tokenizer.decode(input_ids[row, self.prompt_len :], skip_special_tokens=True), stops):
+            if generated >= self.min_tokens[row] and self.engine.find_stop(input_ids[row, self.prompt_len :].tolist(), stops, self.min_tokens[row]):
                 done[row] = True
         return done
 
@@ -163,8 +204,8 @@ class HFEngine(Engine):
         if not self._waiting:
             return []
         first = next(iter(self._waiting.values()))
-        key = _batch_key(first.params, first.request_id)
-        batch = [r for r in self._waiting.values() if _batch_key(r.params, r.request_id) == key]
+        key = _batch_key(first.params, first)
+        batch = [r for r in self._waiting.values() if _batch_key(r.params, r) == key]
         batch = batch[: self.max_batch_size]
         for request in batch:
             del self._waiting[request.request_id]
@@ -225,19 +266,28 @@ class HFEngine(Engine):
         row_params = [r.params for r in batch for _ in range(params.n)]
         config = self._generation_config(params, max(r.params.max_tokens for r in batch))
         stopping = StoppingCriteriaList([_RequestsDone(self, row_params, prompt_len)])
-        masks = LogitsProcessorList([_GrammarMasks(self.structured, states, prompt_len)] if any(states) else [])
+        masks = [_GrammarMasks(self.structured, states, prompt_len)] if any(states) else []
+        processors = logits_processors(params, prompt_len, sorted(self.eos_token_ids))
+        want_logprobs = any(p.logprobs is not None for p in row_params)
         seeded = params.seed is not None and not params.greedy
         # A seeded request gets its own RNG stream and leaves the shared one untouched.
         rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [], enabled=seeded)
         with rng:
             if seeded:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(**inputs, generation_config=config, stopping_criteria=stopping, logits_processor=masks)
-        rows = out[:, prompt_len:].tolist()
+            out = self.model.generate(**inputs, generation_config=config, stopping_criteria=stopping,
+                                      logits_processor=LogitsProcessorList([*processors, *masks]),
+                                      output_logits=want_logprobs, return_dict_in_generate=want_logprobs)
+        sequences = out.sequences if want_logprobs else out
+        # logprobs as the paged engine defines them: after the adjustments, before the grammar's mask
+        logprobs = self._logprobs(sequences, out.logits, processors, prompt_len, row_params) if want_logprobs else None
+        rows = sequences[:, prompt_len:].tolist()
         for i, request in enumerate(batch):
             row = i * params.n
             completions = [
-                self._completion(index, rows[row + index], request.params, states[row + index]) for index in range(params.n)
+                self._completion(index, rows[row + index], request.params, states[row + index],
+                                 logprobs[row + index] if logprobs else None)
+                for index in range(params.n)
             ]
             results.append(self._output(request, completions))
         return results
@@ -246,6 +296,37 @@ class HFEngine(Engine):
     def _output(request: _Request, completions: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(request_id=request.request_id, prompt=request.prompt.prompt,
                              prompt_token_ids=list(request.prompt.prompt_token_ids), outputs=completions, finished=True)
+
+    def _logprobs(self, sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], processors: LogitsProcessorList,
+                  prompt_len: int, row_params: list[SamplingParams]) -> list[list[TokenLogprob] | None]:
+        """Per row, each step's logprobs as the paged engine defines them: the raw logits
+        `generate()` returns, through the batch's processors (not its temperature or top-k)."""
+        k = max(p.logprobs for p in row_params if p.logprobs is not None)
+        steps = []
+        for step, step_logits in enumerate(logits):
+            scores = processors(sequences[:, : prompt_len + step], step_logits.float())
+            logprobs = scores.log_softmax(dim=-1)
+            chosen = logprobs.gather(1, sequences[:, prompt_len + step].unsqueeze(1)).squeeze(1)
+            best = logprobs.topk(k, dim=-1) if k else None
+            steps.append((chosen.tolist(), best.indices.tolist() if best else None, best.values.tolist() if best else None))
+        result = []
+        for row, params in enumerate(row_params):
+            if params.logprobs is None:
+                result.append(None)
+                continue
+            n = params.logprobs
+            result.append([
+                TokenLogprob(int(sequences[row, prompt_len + step]), chosen[row],
+                             list(zip(ids[row][:n], values[row][:n])) if n else [])
+                for step, (chosen, ids, values) in enumerate(steps)
+            ])
+        return result
+
+    def find_stop(self, tokens: list[int], stops: tuple[str, ...], min_tokens: int) -> tuple[int, str] | None:
+        """The first stop string in the text of `tokens` that ends at or after token
+        `min_tokens` (stop strings count from there on, as in the paged engine)."""
+        since = len(self.tokenizer.decode(tokens[: min_tokens - 1], skip_special_tokens=True)) if min_tokens > 1 else 0
+        return find_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), stops, since)
 
     def _ending(self, tokens: list[int], params: SamplingParams) -> _Ending:
         """Where a generated row ends for `params`: the earliest of EOS, a stop string and
@@ -256,22 +337,23 @@ class HFEngine(Engine):
             eos_at = next((i for i, t in enumerate(tokens[:limit]) if t in self.eos_token_ids), None)
         if eos_at is not None:
             limit = eos_at + 1
-        if params.stop and find_stop(self.tokenizer.decode(tokens[:limit], skip_special_tokens=True), params.stop):
-            return self._stop_string_ending(tokens[:limit], params.stop)
+        if params.stop and limit >= params.min_tokens and self.find_stop(tokens[:limit], params.stop, params.min_tokens):
+            return self._stop_string_ending(tokens[:limit], params.stop, params.min_tokens)
         if eos_at is not None:
             return _Ending(limit, "stop", tokens[eos_at])
         return _Ending(limit, "length")
 
-    def _stop_string_ending(self, tokens: list[int], stops: tuple[str, ...]) -> _Ending:
-        """The shortest prefix whose text contains a stop string; the text is cut before it."""
-        for length in range(1, len(tokens) + 1):
-            text = self.tokenizer.decode(tokens[:length], skip_special_tokens=True)
-            hit = find_stop(text, stops)
+    def _stop_string_ending(self, tokens: list[int], stops: tuple[str, ...], min_tokens: int) -> _Ending:
+        """The shortest prefix (of at least `min_tokens`) whose text has a stop string; the text is cut before it."""
+        for length in range(max(1, min_tokens), len(tokens) + 1):
+            hit = self.find_stop(tokens[:length], stops, min_tokens)
             if hit is not None:
+                text = self.tokenizer.decode(tokens[:length], skip_special_tokens=True)
                 return _Ending(length, "stop", hit[1], text[: hit[0]])
         raise AssertionError("a stop string was found in the full text but in no prefix")
 
-    def _completion(self, index: int, tokens: list[int], params: SamplingParams, grammar: GrammarState | None) -> CompletionOutput:
+    def _completion(self, index: int, tokens: list[int], params: SamplingParams, grammar: GrammarState | None,
+                    logprobs: list[TokenLogprob] | None = None) -> CompletionOutput:
         ending = self._ending(tokens, params)
         kept = tokens[: ending.length]
         text = ending.text if ending.text is not None else self.tokenizer.decode(kept, skip_special_tokens=True)
@@ -288,4 +370,5 @@ class HFEngine(Engine):
             finish_reason=ending.finish_reason,
             stop_reason=ending.stop_reason,
             error=error,
+            logprobs=logprobs[: ending.length] if logprobs is not None else None,
         )

@@ -9,6 +9,7 @@ the kernel tests); every other backend runs plain PyTorch around its attention.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from collections.abc import Callable
@@ -24,6 +25,22 @@ from vlmbatch.engine.layers.rotary import apply_rotary
 # dependent launch (`vlmbatch.kernels.pdl`): -3% step time at batch 1 on the H200, +3-5% at
 # batch 64 (BENCHMARKS.md, session 4).
 PDL_MAX_BATCH = 16
+
+# FP8 per-channel products of at most this many rows run on our Triton GEMM, larger ones
+# on cuBLAS (`torch._scaled_mm`); block-scaled products always on the Triton GEMM.
+# From `vlmbatch bench kernels --sections fp8` on the H200 (BENCHMARKS.md).
+FP8_TRITON_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Fp8Gemms:
+    """The kernels of FP8 linear layers (`layers/fp8_linear.py`), chosen once per model."""
+
+    quantize: Callable  # (x [M, K], group | None) -> (fp8 [M, K], float32 scales [M, groups])
+    gemm: Callable  # `kernels.fp8_gemm`: either scale layout
+    scaled_mm: Callable  # `kernels.fp8.scaled_mm`: cuBLAS, per-token x per-channel only
+    triton_max_rows: int  # per-channel products of more rows go to `scaled_mm` where it applies
+    scaled_mm_shapes: Callable[[int, int], bool]  # (N, K) -> whether cuBLAS takes them
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,7 @@ class KernelSet:
     skinny_linear: Callable | None
     decode_linear: str
     pdl_max_rows: int
+    fp8: Fp8Gemms | None = None  # FP8 GEMMs (CUDA); None: FP8 weights are dequantized at load
 
     def skinny(self, measured_rows: int = 0, launch: dict[str, int] | None = None) -> SkinnyLinear | None:
         """The skinny-GEMM choice of one layer, as `decode_linear` says: `auto` takes the rows
@@ -59,16 +77,28 @@ class KernelSet:
 
     def describe(self) -> str:
         pdl = f"PDL up to {self.pdl_max_rows} rows in decode graphs" if self.pdl_max_rows else "no PDL"
-        return f"{self.name} norms/rotary/activation, decode linear {self.decode_linear}, {pdl}"
+        fp8 = f", fp8 GEMMs triton up to {self.fp8.triton_max_rows} rows then cuBLAS" if self.fp8 else ""
+        return f"{self.name} norms/rotary/activation, decode linear {self.decode_linear}, {pdl}{fp8}"
 
 
 TORCH_KERNELS = KernelSet("torch", None, apply_rotary, silu_and_mul, None, "cublas", 0)
 
 
+def fp8_gemms(device: torch.device, pdl_max_rows: int = 0) -> Fp8Gemms | None:
+    """FP8 GEMMs where they run (CUDA with e4m3 tensor cores, SM 8.9+); None elsewhere."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    kernels = importlib.import_module("vlmbatch.kernels")
+    return Fp8Gemms(functools.partial(kernels.quantize_fp8, pdl_max_rows=pdl_max_rows),
+                    functools.partial(kernels.fp8_gemm, pdl_max_rows=pdl_max_rows),
+                    kernels.fp8.scaled_mm, FP8_TRITON_MAX_ROWS, kernels.fp8.scaled_mm_supported)  # fmt: skip
+
+
 def choose_kernels(config: EngineConfig, device: torch.device, attention_backend: str) -> KernelSet:
-    """Triton kernels alongside the triton attention backend, plain PyTorch otherwise."""
+    """Triton kernels alongside the triton attention backend, plain PyTorch otherwise; FP8
+    GEMMs on a GPU that has them, whatever the backend."""
     if attention_backend != "triton":
-        return TORCH_KERNELS
+        return dataclasses.replace(TORCH_KERNELS, fp8=fp8_gemms(device))
     kernels = importlib.import_module("vlmbatch.kernels")
     pdl = PDL_MAX_BATCH if config.pdl and device.type == "cuda" and kernels.pdl.device_supports_pdl(device.index or 0) else 0
 
@@ -76,4 +106,4 @@ def choose_kernels(config: EngineConfig, device: torch.device, attention_backend
         return functools.partial(kernel, pdl_max_rows=pdl)
 
     return KernelSet("triton", bound(kernels.rms_norm), bound(kernels.apply_rotary), bound(kernels.fused_silu_and_mul),
-                     bound(kernels.skinny_linear), config.decode_linear, pdl)
+                     bound(kernels.skinny_linear), config.decode_linear, pdl, fp8_gemms(device, pdl))

@@ -102,6 +102,7 @@ class LLM:
         return f"llm-{next(self._request_ids)}"
 
     def _prepare(self, prompt: PromptInput, params: SamplingParams) -> PreparedPrompt:
+        params.check_vocabulary(len(self.tokenizer))
         if isinstance(prompt, str):
             return self.adapter.prepare(prompt, max_tokens=params.max_tokens)
         if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
@@ -152,6 +153,7 @@ class LLM:
             prompt = self.adapter.apply_chat_template(conversation)
             images = [self.media.image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
             videos = [self.media.video(ref, f"video[{i}]", convention=self.adapter.frame_convention) for i, ref in enumerate(video_refs)]
+            sp.check_vocabulary(len(self.tokenizer))
             prepared = self.adapter.prepare(prompt, images, videos, max_tokens=sp.max_tokens)
             requests.append((self._next_request_id(), prepared, sp))
         return self._run_in_order(requests, use_tqdm)

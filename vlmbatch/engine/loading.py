@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from vlmbatch.errors import JobError
-from vlmbatch.families.registry import load_config
+from vlmbatch.families.registry import load_config, quantization_config
+from vlmbatch.quantization import Fp8Scheme, checkpoint_scheme, online_scheme
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -28,12 +29,27 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     return DTYPES[dtype]
 
 
-def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> torch.nn.Module:
-    """`AutoModelForImageTextToText` in eval mode with SDPA attention, on `device`."""
+def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+                  raw_fp8: bool = False) -> torch.nn.Module:
+    """`AutoModelForImageTextToText` in eval mode with SDPA attention, on `device`.
+    `raw_fp8`: load an FP8 checkpoint without its `quantization_config`, so transformers
+    builds plain modules (its quantized weights then hold the raw fp8 values, unscaled)
+    and our loader reads the fp8 weights and scales itself (`fp8_loading.py`)."""
     from transformers import AutoModelForImageTextToText
 
-    load_config(str(model), trust_remote_code)  # the clear "model not found" error first
+    config = load_config(str(model), trust_remote_code)  # the clear "model not found" error first
+    if raw_fp8 and hasattr(config, "quantization_config"):
+        del config.quantization_config
     hf_model = AutoModelForImageTextToText.from_pretrained(
-        model, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+        model, config=config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
     )
     return hf_model.to(device).eval()
+
+
+def quantization_scheme(model: str, quantization: str = "none", quantize_vision: bool = False,
+                        trust_remote_code: bool = False) -> Fp8Scheme | None:
+    """The FP8 scheme a model runs in: the checkpoint's own `quantization_config` if it has
+    one (an unsupported one is refused here, naming it), else `quantization` online."""
+    config = load_config(str(model), trust_remote_code)
+    own = checkpoint_scheme(quantization_config(config), str(model))
+    return own or online_scheme(quantization, quantize_vision)

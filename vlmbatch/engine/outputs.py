@@ -8,6 +8,16 @@ from vlmbatch.errors import RowError
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log probability and the `SamplingParams.logprobs` most likely
+    tokens at its position, best first (from the adjusted logits, before temperature)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+
+
+@dataclass
 class CompletionOutput:
     """One generated continuation. `finish_reason` is "stop" (EOS or a stop string), "length",
     or "error" (nothing generated: a structured-output spec that cannot be compiled).
@@ -22,6 +32,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or EOS token id that ended it
     error: RowError | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when `SamplingParams.logprobs` is set
 
 
 @dataclass

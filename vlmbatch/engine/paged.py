@@ -34,20 +34,22 @@ import torch
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.attention import create_backend, resolve_backend
-from vlmbatch.engine.base import Engine
+from vlmbatch.engine.base import Engine, EngineLoad
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import choose_kernels
-from vlmbatch.engine.loading import load_hf_model, resolve_device, resolve_dtype
+from vlmbatch.engine.dummy_weights import dummy_hf_model
+from vlmbatch.engine.fp8_loading import Fp8Load, read_fp8_weights
+from vlmbatch.engine.loading import load_hf_model, quantization_scheme, resolve_device, resolve_dtype
 from vlmbatch.engine.multimodal import place_media
-from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
+from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vlmbatch.engine.runner import ModelRunner, PendingTokens
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
-from vlmbatch.engine.sequence import Sequence, SequenceStatus
+from vlmbatch.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from vlmbatch.engine.stopping import IncrementalDetokenizer, find_stop
 from vlmbatch.engine.structured_decoding import StructuredDecoding
-from vlmbatch.errors import ErrorType, RowError
+from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.families.prompt import PreparedPrompt
 
@@ -65,6 +67,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_chunked_prefills: int = 0
     num_prefix_hit_tokens: int = 0
+    num_forked_tokens: int = 0  # prompt tokens the samples of n > 1 requests shared instead of computing
     num_graph_replays: int = 0
     num_encoded_media: int = 0
     num_encoder_cache_hits: int = 0
@@ -81,9 +84,6 @@ class EngineStats:
     decode_launch_s: float = 0.0
     decode_wait_s: float = 0.0
     host_s: float = 0.0
-
-
-PLACEHOLDER = -1  # a sequence's last token while the step that samples it is in flight
 
 
 @dataclass
@@ -111,14 +111,24 @@ class PagedEngine(Engine):
         max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         backend_name, backend_reason = resolve_backend(config.attention_backend, device)
         kernels = choose_kernels(config, device, backend_name)
-        if hf_model is None:
-            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
+        if config.kv_cache_dtype == "fp8" and backend_name == "flash-attn":
+            raise JobError("kv_cache_dtype fp8 runs with the triton or torch attention backend, not flash-attn")
+        scheme = quantization_scheme(adapter.model_path, config.quantization, config.quantize_vision, config.trust_remote_code)
+        dummy = config.load_format == "dummy"
+        prequantized = scheme is not None and scheme.prequantized and not dummy
+        if hf_model is None and dummy:
+            hf_model = dummy_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
+        elif hf_model is None:
+            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code, raw_fp8=prequantized)
         image_decoder = EncodedImageDecoder(adapter.model_path, device)
-        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder)
+        fp8 = Fp8Load(scheme, read_fp8_weights(adapter.model_path, scheme) if prequantized else None) if scheme else None
+        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder, fp8, dummy)
         self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.num_kv_blocks, config.gpu_memory_utilization, config.enforce_eager,
+            frozenset(adapter.eos_token_ids),
+            torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
@@ -128,6 +138,7 @@ class PagedEngine(Engine):
                                              list(adapter.eos_token_ids), device, max_num_seqs, config.grammar_fill_threads)
         self._compiling: list[Sequence] = []  # constrained sequences whose grammar is still compiling
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
+        self._unforked: dict[str, list[Sequence]] = {}  # request id -> samples waiting for the first's prompt
         self.stats = EngineStats()
         self._arrivals = 0
         self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
@@ -136,17 +147,20 @@ class PagedEngine(Engine):
         self.decodes_images_on_gpu = device.type == "cuda"
         self._in_flight: _InFlight | None = None
         kv_gib = self.runner.num_kv_blocks * self.runner.block_bytes / 2**30
-        log.info("paged engine: %s on %s in %s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
-                 "(%.1f GiB, %s); max %d sequences, %d tokens per step; %s decoding",
-                 adapter.family.name, device, str(dtype).removeprefix("torch."), backend_name, backend_reason,
-                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib,
+        log.info("paged engine: %s on %s in %s%s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
+                 "(%.1f GiB %s, %s); max %d sequences, %d tokens per step; %s decoding",
+                 adapter.family.name, device, str(dtype).removeprefix("torch."),
+                 f", weights {scheme.describe()}{'' if kernels.fp8 else ' dequantized (no FP8 GEMMs here)'}" if scheme else "",
+                 backend_name, backend_reason,
+                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib, str(self.runner.kv_dtype).removeprefix("torch."),
                  "as configured" if config.num_kv_blocks else "sized from free memory", max_num_seqs,
                  config.max_num_batched_tokens, "asynchronous" if self.async_decode else "awaited")
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:
-        """Queue a request; n > 1 becomes n sequences (seeds seed, seed + 1, ...) whose
-        shared prompt blocks the prefix cache deduplicates once the first is computed."""
+        """Queue a request; n > 1 becomes n sequences (seeds seed, seed + 1, ...). Only the
+        first is scheduled; the others fork from it once its prompt is computed and share
+        its prompt's KV blocks (`BlockManager.fork`), with or without prefix caching."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
         total = prompt.num_tokens + params.max_tokens
@@ -169,13 +183,17 @@ class PagedEngine(Engine):
                            grammar=self.structured.submit(spec) if spec is not None else None)
             self._arrivals += 1
             group.append(seq)
-            if seq.grammar is None:
-                self.scheduler.add(seq)
-            else:
-                self._compiling.append(seq)
+        first = group[0]
+        if first.grammar is None:
+            self.scheduler.add(first)
+        else:
+            self._compiling.append(first)  # the other samples fork from it, so their grammar is compiled by then
+        if len(group) > 1:
+            self._unforked[request_id] = group[1:]
         self.requests[request_id] = group
 
     def abort_request(self, request_id: str) -> None:
+        self._unforked.pop(request_id, None)
         for seq in self.requests.pop(request_id, []):
             if seq in self._compiling:
                 self._compiling.remove(seq)
@@ -185,6 +203,11 @@ class PagedEngine(Engine):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def load(self) -> EngineLoad:
+        blocks = self.block_manager.num_blocks
+        used = 1.0 - self.block_manager.num_free_blocks / blocks if blocks else 0.0
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), used)
 
     # ---- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -203,8 +226,9 @@ class PagedEngine(Engine):
             if error is None:
                 self.scheduler.add(seq)
                 continue
-            seq.error = error
-            self._finish(seq, "error")
+            for sample in [seq, *self._unforked.pop(seq.request_id, [])]:
+                sample.error = error
+                self._finish(sample, "error")
             progressed[seq.request_id] = None
         return self._outputs(progressed)
 
@@ -226,11 +250,11 @@ class PagedEngine(Engine):
         encoded = time.perf_counter()
         constrained = any(seq.grammar is not None for seq in batch.seqs)
         if batch.is_prefill or not self.async_decode:
-            seqs, tokens = self.runner.run(batch, self._mask if constrained else None)
+            pending = self.runner.run(batch, self._mask if constrained else None)
             ran = time.perf_counter()
             self.scheduler.finish_step(batch)
             self._count(batch)
-            outputs = self._take(seqs, tokens)
+            outputs = self._take(pending.seqs, pending.wait(), pending.token_logprobs())
             self._time(batch, scheduled - started + time.perf_counter() - ran, encoded - scheduled, ran - encoded)
             return outputs
         # A decode step: launch it on the previous step's tokens, then read those (before
@@ -266,18 +290,23 @@ class PagedEngine(Engine):
         waiting = time.perf_counter()
         tokens = in_flight.pending.wait()
         in_flight.waited_s = time.perf_counter() - waiting
-        live = [(seq, token) for seq, token in zip(in_flight.pending.seqs, tokens) if not seq.is_finished]
-        return self._take([seq for seq, _ in live], [token for _, token in live])
+        pending = in_flight.pending
+        live = [row for row in zip(pending.seqs, tokens, pending.token_logprobs()) if not row[0].is_finished]
+        return self._take([row[0] for row in live], [row[1] for row in live], [row[2] for row in live])
 
     def _mask(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Structured-output masks on the logits rows of the constrained `seqs`."""
         self.structured.mask([(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished],
                              logits)
 
-    def _take(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
-        """Append each sequence's token, retire finished ones, and build the outputs."""
+    def _take(self, seqs: list[Sequence], tokens: list[int], logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
+        """Append each sequence's token (and its logprobs), retire finished ones, and build the outputs."""
         progressed = {}
-        for seq, token in zip(seqs, tokens):
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            if seq.request_id in self._unforked and seq.num_output_tokens == 0:
+                self._fork(seq)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             self._append(seq, token)
             self.stats.num_generated_tokens += 1
             if seq.is_finished:
@@ -294,6 +323,17 @@ class PagedEngine(Engine):
             if output.finished:
                 del self.requests[output.request_id]
         return outputs
+
+    def _fork(self, first: Sequence) -> None:
+        """The request's other samples, now that `first` computed the prompt, share its blocks
+        and media embeddings and are scheduled next."""
+        samples = self._unforked.pop(first.request_id)
+        for seq in samples:
+            seq.mm = copy.copy(first.mm)
+            self.block_manager.fork(first, seq)
+            if seq.grammar is not None:
+                seq.grammar.start()  # compiled: `first` started on the same spec
+        self.scheduler.add_first(samples)
 
     def _time(self, batch: ScheduledBatch, host_s: float, vision_s: float, forward_s: float) -> None:
         s, launch_s = self.stats, self.runner.last_launch_s
@@ -325,6 +365,10 @@ class PagedEngine(Engine):
             seq.error = grammar.dead_end()
             self._finish(seq, "stop", token)
             return
+        if seq.num_output_tokens < params.min_tokens:
+            if params.stop or self.stream_outputs:
+                seq.text += seq.detokenizer.step(token)  # stop strings count only from min_tokens on
+            return
         # A constrained row ends when its grammar does (it allows EOS only then), ignore_eos or not.
         if token in self.eos_token_ids and (not params.ignore_eos or grammar is not None):
             self._finish(seq, "stop", token)
@@ -354,7 +398,8 @@ class PagedEngine(Engine):
     def _output(self, request_id: str) -> RequestOutput:
         group = self.requests[request_id]
         completions = [  # `output_token_ids` is a fresh slice: no copy needed
-            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason, s.error) for s in group
+            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason, s.error,
+                             None if s.logprobs is None else list(s.logprobs)) for s in group
         ]
         first = group[0]
         return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, all(s.is_finished for s in group))
@@ -367,6 +412,7 @@ class PagedEngine(Engine):
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_chunked_prefills = self.scheduler.num_chunked_prefills
         s.num_prefix_hit_tokens = self.block_manager.num_prefix_hit_tokens
+        s.num_forked_tokens = self.block_manager.num_forked_tokens
         s.num_graph_replays = self.runner.num_graph_replays
         s.num_encoded_media = self.model.num_encoded_items
         s.num_encoder_cache_hits = self.model.num_encoder_cache_hits

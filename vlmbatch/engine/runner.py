@@ -18,9 +18,11 @@ from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
 from vlmbatch.engine.decode_graphs import StaticDecodeInputs, graph_batch_sizes
 from vlmbatch.engine.decoder import DeepStack
 from vlmbatch.engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_blocks_from_free_memory
-from vlmbatch.engine.sampler import SamplingBatch, sample
+from vlmbatch.engine.logit_adjust import LogitAdjustments
+from vlmbatch.engine.outputs import TokenLogprob
+from vlmbatch.engine.sampler import SamplingBatch, sample, token_logprobs
 from vlmbatch.engine.scheduler import ScheduledBatch
-from vlmbatch.engine.sequence import Sequence
+from vlmbatch.engine.sequence import PLACEHOLDER, Sequence
 from vlmbatch.engine.vision_language import VisionLanguageModel
 
 
@@ -43,16 +45,23 @@ class ModelRunner:
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        eos_token_ids: frozenset[int] = frozenset(),
+        kv_cache_dtype: torch.dtype | None = None,
     ):
+        """`eos_token_ids`: what `min_tokens` keeps from being drawn too early. `kv_cache_dtype`:
+        the KV cache's element type (None: the model's; float8_e4m3fn for `--kv-cache-dtype fp8`,
+        half the bytes per token, so twice the tokens)."""
         self.model = model
+        self.eos_token_ids = eos_token_ids
         self.decoder = model.decoder
         self.backend = backend
         self.device = device
         self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.kv_dtype = kv_cache_dtype or self.dtype
         self.block_size = block_size
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
         self.num_kv_blocks = num_kv_blocks or self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
-        self.kv_caches = allocate_kv_cache(self.decoder, self.num_kv_blocks + 1, block_size, self.dtype, device)
+        self.kv_caches = allocate_kv_cache(self.decoder, self.num_kv_blocks + 1, block_size, self.kv_dtype, device)
         self.pad_slot = self.num_kv_blocks * block_size  # the spare block
         # Decode batch size -> its CUDA graph; None = the same static buffers run eagerly
         # (`prepare_static_decode(capture=False)`: lets the CPU tests cover the padding logic).
@@ -66,7 +75,7 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return kv_block_bytes(self.decoder, self.block_size, self.dtype)
+        return kv_block_bytes(self.decoder, self.block_size, self.kv_dtype)
 
     def _blocks_from_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
         """What is left of `utilization` x device memory after the weights and the peak of
@@ -75,7 +84,7 @@ class ModelRunner:
         def full_prefill() -> None:
             num_tokens = max_num_batched_tokens
             blocks = (num_tokens + self.block_size - 1) // self.block_size
-            caches = allocate_kv_cache(self.decoder, blocks + 1, self.block_size, self.dtype, self.device)
+            caches = allocate_kv_cache(self.decoder, blocks + 1, self.block_size, self.kv_dtype, self.device)
             meta = self._prefill_metadata_for_warmup(num_tokens, blocks)
             with torch.no_grad():
                 embeds = self.decoder.embed_tokens(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
@@ -197,19 +206,28 @@ class ModelRunner:
         if not seqs:
             self.last_launch_s = time.perf_counter() - started
             return PendingTokens([], None, None, None)
-        if before_sample is not None:
+        params = [s.params for s in seqs]
+        adjustments = LogitAdjustments.build(seqs, logits.shape[-1], self.eos_token_ids, PLACEHOLDER, self.device)
+        if adjustments is not None:
+            logits = adjustments.apply(logits, input_ids)
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        unmasked = logits
+        if before_sample is not None:  # structured-output masks, in place: after the adjustments, before sampling
+            unmasked = logits.clone() if k is not None else None  # logprobs are taken before the mask
             before_sample(seqs, logits)
-        sampling = SamplingBatch.build([s.params for s in seqs], [s.num_output_tokens for s in seqs], self.device)
+        sampling = SamplingBatch.build(params, [s.num_output_tokens for s in seqs], self.device)
         tokens = sample(logits, sampling)
-        pending = self._token_copies.start(seqs, tokens)
+        logprobs = token_logprobs(unmasked, tokens, k) if k is not None else None
+        pending = self._token_copies.start(seqs, tokens, logprobs)
         self.last_launch_s = time.perf_counter() - started
         return pending
 
     def run(self, batch: ScheduledBatch, before_sample: Callable[[list[Sequence], torch.Tensor], None] | None = None
-            ) -> tuple[list[Sequence], list[int]]:
-        """Run the step; return the sequences that got a next token and those tokens."""
+            ) -> PendingTokens:
+        """Run the step and wait for its tokens (`PendingTokens.seqs` got one each)."""
         pending = self.launch(batch, before_sample=before_sample)
-        return pending.seqs, pending.wait()
+        pending.wait()
+        return pending
 
     def _decode_logits(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
         ids, positions, slots, ctx = self._decode_host_inputs(seqs)
@@ -293,14 +311,27 @@ class PendingTokens:
     tokens: torch.Tensor | None  # [len(seqs)] on the device: the next decode step's inputs
     host: torch.Tensor | None  # where they land on the host
     ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # `token_logprobs`' pair, on the host
+    _tokens: list[int] | None = None
 
     def wait(self) -> list[int]:
         """The tokens; waits for this step only, not for steps launched after it."""
-        if self.host is None:
-            return []
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
+        if self._tokens is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._tokens = [] if self.host is None else self.host.tolist()
+        return self._tokens
+
+    def token_logprobs(self) -> list[TokenLogprob | None]:
+        """Per sequence (after `wait`): its token's logprob and its own top-k, or None."""
+        if self.logprobs is None:
+            return [None] * len(self.seqs)
+        values, ids = self.logprobs[0].tolist(), self.logprobs[1].tolist()
+        result = []
+        for seq, token, row_values, row_ids in zip(self.seqs, self.wait(), values, ids):
+            k = seq.params.logprobs
+            result.append(None if k is None else TokenLogprob(token, row_values[0], list(zip(row_ids[:k], row_values[1 : k + 1]))))
+        return result
 
 
 class TokenCopies:
@@ -312,12 +343,22 @@ class TokenCopies:
         self.buffers = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.on_cuda) for _ in range(2)]
         self.turn = 0
 
-    def start(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingTokens:
+    def start(self, seqs: list[Sequence], tokens: torch.Tensor,
+              logprobs: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingTokens:
+        """`logprobs` (steps with rows that asked for them) travel in the same copy batch."""
         if not self.on_cuda:
-            return PendingTokens(seqs, tokens, tokens, None)
+            return PendingTokens(seqs, tokens, tokens, None, logprobs)
         host = self.buffers[self.turn][: len(seqs)]
         self.turn ^= 1
         host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs = tuple(_to_pinned(t) for t in logprobs)
         ready = torch.cuda.Event()
         ready.record()
-        return PendingTokens(seqs, tokens, host, ready)
+        return PendingTokens(seqs, tokens, host, ready, logprobs)
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

@@ -70,6 +70,18 @@ def _exponential_noise(batch: SamplingBatch, shape: torch.Size, device: torch.de
     return noise
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [B, 1 + k]: each row's log probability of its chosen token, then its k best;
+    int64 [B, k]: the ids of those k. Computed where the logits are, so they travel back
+    with the tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    if k == 0:
+        return chosen, torch.empty((len(tokens), 0), dtype=torch.int64, device=logits.device)
+    best = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen, best.values], dim=1), best.indices
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids [B] (int64, on the device) drawn from float logits [B, vocab]."""
     if batch.all_greedy:  # the widening copy below is exact, so argmax needs none of it

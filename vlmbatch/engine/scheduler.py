@@ -54,6 +54,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_first(self, seqs: list[Sequence]) -> None:
+        """Queue `seqs` (forked samples) ahead of the other waiting sequences, in order."""
+        self.waiting.extendleft(reversed(seqs))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -91,8 +95,8 @@ class Scheduler:
             return batch if batch.seqs else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.match_prefix(seq)
-            computed = len(hits) * bm.block_size
+            hits = bm.match_prefix(seq)  # none for a forked sample: it holds its shared blocks already
+            computed = seq.num_computed_tokens if seq.block_table else len(hits) * bm.block_size
             n = min(len(seq) - computed, budget)
             if not bm.can_allocate(seq, computed + n, hits):
                 break

@@ -10,10 +10,16 @@ prompt + generated tokens are prefilled again later (no KV swapping).
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from vlmbatch.engine.outputs import TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # a sequence's last token while the step that samples it is in flight (asynchronous decoding)
 
 
 class SequenceStatus(enum.Enum):
@@ -72,10 +78,18 @@ class Sequence:
     # has accepted exactly the generated tokens: preemption recomputes KV only, so it stays exact.
     grammar: Any = None
     error: Any = None  # the RowError of a row that failed after it was admitted (structured outputs)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the params ask for them
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         self.prompt_token_ids = list(self.token_ids)  # never changes: outputs share it instead of copying
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @functools.cached_property
+    def prompt_id_array(self) -> np.ndarray:
+        """The prompt's ids as int64 (the repetition penalty uploads them every step)."""
+        return np.array(self.prompt_token_ids, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.token_ids)

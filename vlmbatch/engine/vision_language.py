@@ -11,6 +11,7 @@ those the tower will actually run on).
 from __future__ import annotations
 
 import functools
+import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
@@ -19,10 +20,14 @@ import torch
 from torch import nn
 
 from vlmbatch.engine.decoder import Decoder, DecoderSpec
+from vlmbatch.engine.dummy_weights import materialize
+from vlmbatch.engine.fp8_loading import Fp8Load, apply_fp8, quantize_linears
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
 from vlmbatch.families.prompt import MediaItem
+
+log = logging.getLogger(__name__)
 
 
 def pooled(features: Any) -> torch.Tensor:
@@ -63,21 +68,38 @@ class VisionLanguageModel(ABC):
 
     @classmethod
     def build(cls, hf_model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: KernelSet,
-              image_decoder: EncodedImageDecoder) -> VisionLanguageModel:
+              image_decoder: EncodedImageDecoder, fp8: Fp8Load | None = None, dummy: bool = False) -> VisionLanguageModel:
         """Our decoder with the weights of `hf_model`'s language model, which is then dropped
-        (only the vision tower and the position rules are kept from `transformers`)."""
+        (only the vision tower and the position rules are kept from `transformers`).
+        `fp8`: the decoder's linear layers in FP8 (`fp8_loading.apply_fp8`), and with
+        `quantize_vision` the tower's too. `dummy`: random weights instead of `hf_model`'s
+        (`dummy_weights.py`: the decoder built on "meta", each tensor then made on `device`
+        in its final dtype), for `load_format="dummy"`."""
         language_model = getattr(hf_model.model, cls.language_model_attr)
         text_config = hf_model.config.get_text_config()
         rotary = RotaryEmbedding.from_hf(language_model.rotary_emb, text_config, mrope=cls.mrope, interleaved=cls.mrope_interleaved)
-        with torch.device(device):
+        with torch.device("meta" if dummy else device):
             decoder = Decoder(text_config, rotary, cls.decoder_spec(text_config), kernels).to(dtype)
-        decoder.load_from_hf(language_model, hf_model.lm_head)
+        if dummy:
+            materialize(decoder, device, dtype, fp8.scheme if fp8 else None, kernels)
+        else:
+            decoder.load_from_hf(language_model, hf_model.lm_head)
         decoder.eval().requires_grad_(False)
+        if fp8 is not None and not dummy:
+            log.info("fp8: %d decoder linear layers / expert sets converted", apply_fp8(decoder, fp8.scheme, fp8.weights, kernels, dtype))
         setattr(hf_model.model, cls.language_model_attr, None)
         hf_model.lm_head = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return cls(hf_model, decoder, kernels, image_decoder)
+        model = cls(hf_model, decoder, kernels, image_decoder)
+        if fp8 is not None and fp8.scheme.quantize_vision:
+            log.info("fp8: %d vision linear layers converted", quantize_linears(model.vision_modules(), kernels, dtype))
+        return model
+
+    def vision_modules(self) -> list[nn.Module]:
+        """The modules that run the media (the tower and projector): what `quantize_vision`
+        converts. A family with its own tower overrides this to name it."""
+        return [self.hf]
 
     @classmethod
     def decoder_spec(cls, text_config: Any) -> DecoderSpec:

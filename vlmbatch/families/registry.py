@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from vlmbatch.errors import JobError
+from vlmbatch.quantization import checkpoint_scheme
 
 IMAGES, VIDEO, MOE = "images", "video", "moe"
 
@@ -81,15 +82,24 @@ def _looks_local(model: str) -> bool:
 
 
 def load_config(model: str, trust_remote_code: bool = False) -> Any:
-    """`AutoConfig` for `model`, or `JobError("model not found: ...")`."""
+    """`AutoConfig` for `model`, or `JobError("model not found: ...")`, or an
+    `UnsupportedQuantization` (a `JobError`) for a quantization format we do not run."""
     from transformers import AutoConfig
 
     if _looks_local(model) and not Path(model).expanduser().is_dir():
         raise JobError(f"model not found: {model} (no such folder)")
     try:
-        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise JobError(f"model not found: {model} ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from exc
+    checkpoint_scheme(quantization_config(config), model)  # an FP8 format we do not run is refused here, named
+    return config
+
+
+def quantization_config(config: Any) -> dict | None:
+    """A loaded config's `quantization_config` as a dict (transformers may hold an object)."""
+    qc = getattr(config, "quantization_config", None)
+    return qc if qc is None or isinstance(qc, dict) else qc.to_dict()
 
 
 def model_family(model: str, trust_remote_code: bool = False) -> Family:

@@ -24,6 +24,7 @@ from vlmbatch.io.atomic import atomic_file
 from vlmbatch.io.manifest import Manifest, results_dir
 from vlmbatch.io.readers import ShardPlan
 from vlmbatch.io.storage import Location, list_names, parquet_source, resolve
+from vlmbatch.io.schema import SAMPLE_INDEX_FIELD, SAMPLING_COLUMNS_KEY
 from vlmbatch.io.writer import result_schema
 
 BATCH_ROWS = 65_536
@@ -88,6 +89,9 @@ def summarize(job_dir: str | Location, storage_options: dict[str, Any] | None = 
     errors: Counter[str] = Counter()
     committed = {plan.shard_id: path for plan, path in committed_parts(manifest)}
     columns = ["row_id", "error_type", "num_input_tokens", "num_generated_tokens"]
+    samples = SAMPLE_INDEX_FIELD.name in manifest.extra.get(SAMPLING_COLUMNS_KEY, [])
+    if samples:  # one row per sample: a row's id and prompt count once, on its first sample
+        columns.append(SAMPLE_INDEX_FIELD.name)
     for plan in manifest.shards:
         path = committed.get(plan.shard_id)
         if path is None:
@@ -98,12 +102,14 @@ def summarize(job_dir: str | Location, storage_options: dict[str, Any] | None = 
         summary.parts_committed += 1
         row_ids = []
         for batch in _part_batches(path, columns):
+            summary.output_tokens += int(pc.sum(batch.column("num_generated_tokens")).as_py() or 0)
+            if samples:
+                batch = batch.filter(pc.equal(batch.column(SAMPLE_INDEX_FIELD.name), 0))
             row_ids.append(batch.column("row_id").to_numpy())
             for item in pc.value_counts(batch.column("error_type").drop_null()).to_pylist():
                 errors[item["values"]] += item["counts"]
             summary.rows += batch.num_rows
             summary.input_tokens += int(pc.sum(batch.column("num_input_tokens")).as_py() or 0)
-            summary.output_tokens += int(pc.sum(batch.column("num_generated_tokens")).as_py() or 0)
         ids, counts = np.unique(np.concatenate(row_ids) if row_ids else np.empty(0, np.int64), return_counts=True)
         summary.duplicate_row_ids.extend(int(i) for i in ids[counts > 1])
         if plan.num_rows is not None:  # byte-offset ids: which offsets start a row is known only to the part

@@ -30,8 +30,31 @@ RESULT_STATUS_FIELDS: tuple[pa.Field, ...] = (
 )
 RESULT_TAIL_FIELDS: tuple[pa.Field, ...] = (GENERATED_TEXT_FIELD, *RESULT_STATUS_FIELDS)
 
+# Columns of jobs that ask for them (`sampling_columns`): a job with n > 1 has one row per
+# sample, numbered by `sample_index` (after the id); a job with logprobs has `logprobs`
+# (after the generated text and any structured output).
+SAMPLE_INDEX_FIELD = pa.field("sample_index", pa.int32())
+_TOKEN_LOGPROB = [pa.field("token", pa.string()), pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())]
+LOGPROBS_FIELD = pa.field(
+    "logprobs", pa.list_(pa.struct([*_TOKEN_LOGPROB, pa.field("top_logprobs", pa.list_(pa.struct(_TOKEN_LOGPROB)))]))
+)
+SAMPLING_COLUMNS_KEY = "sampling_columns"  # manifest.extra[...]: the names of these columns the job has
+
 # Input columns with these names are not passed through: they would shadow result columns.
-RESERVED_NAMES = frozenset({"row_id", "id", "custom_id", *(f.name for f in RESULT_TAIL_FIELDS)})
+RESERVED_NAMES = frozenset({"row_id", "id", "custom_id", SAMPLE_INDEX_FIELD.name, LOGPROBS_FIELD.name,
+                            *(f.name for f in RESULT_TAIL_FIELDS)})
+
+
+def sampling_columns(sampling: dict[str, Any], dataset_columns: list[str]) -> list[str]:
+    """Which of `sample_index` / `logprobs` a job's parts have: the job's defaults ask for them,
+    or its rows may (the dataset has an `n`, `logprobs` or `top_logprobs` column). Decided once,
+    at submit, so every part of the job has the same schema."""
+    names = []
+    if (sampling.get("n") or 1) > 1 or "n" in dataset_columns:
+        names.append(SAMPLE_INDEX_FIELD.name)
+    if sampling.get("logprobs") is not None or {"logprobs", "top_logprobs"} & set(dataset_columns):
+        names.append(LOGPROBS_FIELD.name)
+    return names
 
 
 def is_passthrough_type(arrow_type: pa.DataType) -> bool:

@@ -199,6 +199,37 @@ class ObjectPath:
 Location = Union[Path, ObjectPath]
 
 
+@dataclass(frozen=True)
+class ObjectMedia:
+    """Reads media that rows name by object-storage URL (`s3://bucket/key.jpg`) under the
+    media rules: only the `buckets` listed (None: any), the size cap checked from the
+    object's metadata before a byte is read, pyarrow's connect and request timeouts.
+    Picklable (it travels to the preprocessing workers); each process builds its own client.
+    Errors are `RowError`s: the row fails, the job goes on."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    buckets: tuple[str, ...] | None = None
+
+    def __call__(self, url: str, max_bytes: int) -> bytes:
+        from vlmbatch.errors import ErrorType, RowError
+
+        bucket = url.split("://", 1)[1].split("/", 1)[0]
+        if self.buckets is not None and bucket not in self.buckets:
+            raise RowError(ErrorType.MEDIA_FORBIDDEN, f"bucket {bucket!r} is not in the allowed media buckets")
+        try:
+            location = resolve(url, self.storage_options)
+            if not isinstance(location, ObjectPath):
+                raise RowError(ErrorType.MEDIA_FORBIDDEN, f"{url} is not an object-storage URL")
+            info = location.info()
+            if info.type != pafs.FileType.File:
+                raise RowError(ErrorType.MEDIA_NOT_FOUND, f"no such object: {url}")
+            if info.size is not None and info.size > max_bytes:
+                raise RowError(ErrorType.MEDIA_TOO_LARGE, f"{url} is {info.size:,} bytes, over the {max_bytes:,}-byte cap")
+            return location.read_bytes()
+        except (OSError, JobError) as exc:
+            raise RowError(ErrorType.MEDIA_FETCH, f"cannot read {url}: {exc}") from exc
+
+
 def resolve(target: str | os.PathLike[str] | ObjectPath, storage_options: dict[str, Any] | None = None) -> Location:
     """A local path or an object-storage URL as a `Location` (see the module docstring)."""
     if isinstance(target, (Path, ObjectPath)):

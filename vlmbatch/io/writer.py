@@ -23,7 +23,15 @@ from vlmbatch.errors import ErrorType
 from vlmbatch.io.atomic import atomic_file, write_new
 from vlmbatch.io.manifest import Manifest, part_name, results_dir, staging_dir
 from vlmbatch.io.output_schema import OutputColumn, OutputMismatch, job_output_column
-from vlmbatch.io.schema import GENERATED_TEXT_FIELD, RESULT_STATUS_FIELDS, ROW_ID_FIELD, coerce_scalar
+from vlmbatch.io.schema import (
+    GENERATED_TEXT_FIELD,
+    LOGPROBS_FIELD,
+    RESULT_STATUS_FIELDS,
+    ROW_ID_FIELD,
+    SAMPLE_INDEX_FIELD,
+    SAMPLING_COLUMNS_KEY,
+    coerce_scalar,
+)
 from vlmbatch.io.storage import Location
 
 log = logging.getLogger(__name__)
@@ -35,12 +43,17 @@ def _passthrough_fields(manifest: Manifest, output: OutputColumn | None) -> list
 
 
 def result_schema(manifest: Manifest) -> pa.Schema:
-    """row_id, id (or custom_id), the input's passthrough scalars, generated_text, the structured
-    `output` / `output_json` column of a structured job (io/output_schema.py), then the status columns."""
+    """row_id, id (or custom_id), `sample_index` (n > 1), the input's passthrough scalars,
+    generated_text, the structured `output` / `output_json` column of a structured job
+    (io/output_schema.py), `logprobs` (when asked for), then the status columns."""
     output = job_output_column(manifest.extra)
     id_field = pa.field(manifest.result_id_column, pa.string())
     structured = [output.field] if output is not None else []
-    return pa.schema([ROW_ID_FIELD, id_field, *_passthrough_fields(manifest, output), GENERATED_TEXT_FIELD, *structured, *RESULT_STATUS_FIELDS])
+    asked = manifest.extra.get(SAMPLING_COLUMNS_KEY, [])
+    samples = [SAMPLE_INDEX_FIELD] if SAMPLE_INDEX_FIELD.name in asked else []
+    logprobs = [LOGPROBS_FIELD] if LOGPROBS_FIELD.name in asked else []
+    return pa.schema([ROW_ID_FIELD, id_field, *samples, *_passthrough_fields(manifest, output), GENERATED_TEXT_FIELD,
+                      *structured, *logprobs, *RESULT_STATUS_FIELDS])
 
 
 def passthrough_values(manifest: Manifest, raw_row: dict[str, Any]) -> dict[str, Any]:

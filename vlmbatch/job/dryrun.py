@@ -54,7 +54,7 @@ def dry_run(
     check_media_io_kwargs(media_io_kwargs or {}, media)
     adapter = load_adapter(model, chat_template=chat_template)
     defaults = sampling or SamplingParams()
-    loader = media_loader_for(dataset, media_io_kwargs, media)
+    loader = media_loader_for(dataset, media_io_kwargs, media, storage_options)
     report = DryRunReport(dataset=str(dataset), startup_s=time.perf_counter() - started)
     for batch in reader.iter_rows():
         for row_id, raw in batch:

@@ -6,6 +6,8 @@ model: Qwen/Qwen2.5-VL-3B-Instruct   # "./..." or "../..." is a path relative to
 output: out
 shard_size: 100                # also: broker, wait, dry_run, chat_template (a file)
 sampling: {max_tokens: 256, temperature: 0, top_p: 1, top_k: 0, seed: 1, stop: ["\\n\\n"]}
+# also sampling: n, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
+# logit_bias ({token id: bias}), logprobs (how many top logprobs; 0: the chosen token's only)
 columns: {id: id, prompt: prompt, messages: messages, image: image, images: images, video: video}
 media_io_kwargs: {video: {num_frames: 8}}
 engine: {name: paged, dtype: auto, device: auto, gpu_image_decode: auto}
@@ -98,6 +100,13 @@ KEYS: dict[str, tuple[str, Callable[[Any, str, Path], Any]]] = {
     "sampling.top_k": ("top_k", _integer),
     "sampling.seed": ("seed", _integer),
     "sampling.stop": ("stop", _stop),
+    "sampling.n": ("n", _integer),
+    "sampling.presence_penalty": ("presence_penalty", _number),
+    "sampling.frequency_penalty": ("frequency_penalty", _number),
+    "sampling.repetition_penalty": ("repetition_penalty", _number),
+    "sampling.min_tokens": ("min_tokens", _integer),
+    "sampling.logit_bias": ("logit_bias", _json_object),
+    "sampling.logprobs": ("logprobs", _integer),
     **{f"columns.{name}": (f"{name}_column", _text) for name in ("id", "prompt", "messages", "image", "images", "video")},
     "engine.name": ("engine", _text),
     "engine.dtype": ("dtype", _text),

@@ -13,7 +13,6 @@ from typing import Any
 
 from vlmbatch.config import EngineConfig, MediaConfig
 from vlmbatch.engine.sampling_params import SamplingParams
-from vlmbatch.config import EngineConfig
 from vlmbatch.errors import JobError
 from vlmbatch.structured.spec import StructuredOutput
 
@@ -100,11 +99,9 @@ def plan_job(
     from vlmbatch.io.manifest import Manifest
     from vlmbatch.io.output_schema import MANIFEST_KEY, manifest_entry
     from vlmbatch.io.readers import ShardPlan, open_dataset
-    from vlmbatch.io.storage import is_remote
+    from vlmbatch.io.schema import SAMPLING_COLUMNS_KEY, sampling_columns
     from vlmbatch.structured.spec import STRUCTURED_KEYS
 
-    if broker and (is_remote(dataset) or is_remote(output)):
-        raise JobError("object-storage datasets and outputs run in-process for now: submit them without a broker")
     reader = open_dataset(dataset, columns, storage_options=storage_options)
     check_model(model)
     check_media_io_kwargs(media_io_kwargs or {}, media or MediaConfig())
@@ -123,6 +120,9 @@ def plan_job(
         manifest.shards = [ShardPlan(shard_id=0, row_start=0, row_end=0, byte_start=0, byte_end=0, row_groups=[])]
     if chat_template:
         manifest.extra["chat_template"] = chat_template
+    asked = sampling_columns(manifest.sampling, list(reader.column_names))
+    if asked:
+        manifest.extra[SAMPLING_COLUMNS_KEY] = asked
     per_row = any(key in reader.column_names for key in STRUCTURED_KEYS)
     if structured_output is not None or per_row:
         manifest.extra[MANIFEST_KEY] = manifest_entry(structured_output, per_row)

@@ -36,9 +36,14 @@ class PreparedRow:
         return self.request.sampling
 
 
-def media_loader_for(dataset: str | Path, media_io_kwargs: dict[str, Any] | None, config: MediaConfig) -> MediaLoader:
-    """Media options of a job: relative paths resolve next to the dataset file."""
-    return MediaLoader(config, base_dir=Path(dataset).resolve().parent, media_io_kwargs=media_io_kwargs or {})
+def media_loader_for(dataset: str | Path, media_io_kwargs: dict[str, Any] | None, config: MediaConfig,
+                     storage_options: dict[str, Any] | None = None) -> MediaLoader:
+    """Media options of a job: relative paths resolve next to the dataset file; `s3://`
+    media are read with the job's storage options (batch jobs may read any bucket they can)."""
+    from vlmbatch.io.storage import ObjectMedia
+
+    return MediaLoader(config, base_dir=Path(dataset).resolve().parent, media_io_kwargs=media_io_kwargs or {},
+                       objects=ObjectMedia(dict(storage_options or {})))
 
 
 def prepare_row(
@@ -82,6 +87,8 @@ def build_prompt(
     """
     prompt = request.prompt
     image_refs, video_refs = list(request.image_refs), list(request.video_refs)
+    if adapter is not None:
+        request.sampling.check_vocabulary(len(adapter.tokenizer))
     if request.messages is not None:
         from vlmbatch.chat import parse_chat_messages
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlmbatch.config import MediaConfig, WorkerConfig
@@ -104,13 +104,14 @@ class RowPreparation:
     media: MediaConfig
     pixel_dtype: str | None = None
     defer_jpegs: bool = False  # JPEG bytes go to the engine for GPU decoding (engine/gpu_images.py)
+    storage_options: dict[str, Any] = field(default_factory=dict)  # for s3:// media (the job's)
 
     @classmethod
     def for_job(cls, manifest: Any, adapter_spec: AdapterSpec | None, defaults: SamplingParams, media: MediaConfig,
                 pixel_dtype: str | None = None, defer_jpegs: bool = False) -> RowPreparation:
         """The preparation of `manifest`'s rows."""
         return cls(adapter_spec, str(manifest.dataset), manifest.media_io_kwargs or {}, manifest.columns, defaults, media,
-                   pixel_dtype, defer_jpegs)
+                   pixel_dtype, defer_jpegs, dict(manifest.storage_options))
 
     @property
     def videos_on_gpu(self) -> bool:
@@ -142,8 +143,8 @@ class _RowHandler:
         if preparation.adapter_spec != self.adapter_spec:
             self.adapter_spec = preparation.adapter_spec
             self.adapter = self.adapter_spec.load() if self.adapter_spec is not None else None
-        if (preparation.dataset, preparation.media_io_kwargs, preparation.media) != self.media_for:
-            self.media_for = (preparation.dataset, preparation.media_io_kwargs, preparation.media)
+        if (preparation.dataset, preparation.media_io_kwargs, preparation.media, preparation.storage_options) != self.media_for:
+            self.media_for = (preparation.dataset, preparation.media_io_kwargs, preparation.media, preparation.storage_options)
             self.media = media_loader_for(*self.media_for)
         item = prepare_row(row_id, raw, preparation.columns, preparation.defaults, self.adapter, self.media,
                            defer_jpegs=preparation.defer_jpegs)

@@ -10,7 +10,7 @@ id). What it promises, each covered by tests/test_pool.py and tests/test_pool_re
   `ErrorType.MEDIA_TIMEOUT` and its worker is killed; either way the tasks queued behind it
   go to other workers and the worker is replaced;
 - closing the iterator (cancel, early `break`, garbage collection) stops the workers, and
-  so does killing the process that owns the pool;
+  so does killing the process that owns the pool, by any signal (`kill -9` too);
 - a pool outlives one source: `imap_unordered` may be called again once the previous
   iteration ended, with the same workers. A source closed early kills the workers still
   holding its tasks (their results can never reach the next source) and they are
@@ -29,7 +29,6 @@ from __future__ import annotations
 import io
 import multiprocessing
 import pickle
-import queue
 import sys
 import time
 import traceback
@@ -40,12 +39,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vlmbatch.errors import ErrorType
+from vlmbatch.lifeline import set_parent_death_signal, watch_pipe
 
 # One task being handled plus one waiting, so a worker never idles between tasks while a
 # slow one (a long video) holds back at most one other.
 _TASKS_PER_WORKER = 2
-# How often an idle worker checks that the process that owns its pool still exists.
-_ORPHAN_CHECK_SECONDS = 1.0
 
 Task = tuple[int, Any]  # (row_id, payload)
 Setup = Callable[[Any], Callable[[Task], Any]]  # setup(arg) -> handle(task) -> result
@@ -90,30 +88,23 @@ def start_fork_server(preload: Sequence[str] = ()) -> None:
     forkserver.ensure_running()
 
 
-def _next_task(tasks: Any, owner_alive: Connection) -> Task | None:
-    """The next task, or None at the sentinel or once the pool's owner is gone.
-
-    A killed owner (`kill -9` of a job worker) cannot stop its pool, and nothing else
-    would: the fork server hands every worker a handle that keeps the server alive, so
-    neither a re-parenting nor the server's exit ever happens. The owner holds the only
-    write end of `owner_alive` and never writes: readable means it has died."""
-    while True:
-        try:
-            return tasks.get(timeout=_ORPHAN_CHECK_SECONDS)
-        except queue.Empty:
-            if owner_alive.poll():
-                return None
-
-
 def _worker_main(setup: Setup, setup_arg: Any, tasks: Any, results: Connection, owner_alive: Connection) -> None:
-    """Build the handler once, then answer tasks until the `None` sentinel."""
+    """Build the handler once, then answer tasks until the `None` sentinel.
+
+    First, the lifeline: a killed owner (`kill -9` of a job worker) cannot stop its pool.
+    The worker's parent is the fork server (or the owner itself with another start method):
+    the parent-death signal covers its death; the owner holds the only write end of
+    `owner_alive` and never writes, so EOF there means the owner died, also while this
+    worker is busy with a long row (`vlmbatch.lifeline`)."""
+    set_parent_death_signal()
+    watch_pipe(owner_alive)
     try:
         handle = setup(setup_arg)
     except BaseException:  # noqa: BLE001 - any setup failure must reach the parent, not vanish
         results.send_bytes(_dumps(("setup_error", traceback.format_exc())))
         return
     results.send_bytes(_dumps(("ready", None)))
-    while (task := _next_task(tasks, owner_alive)) is not None:
+    while (task := tasks.get()) is not None:
         try:
             message = ("result", handle(task))
         except Exception as exc:  # noqa: BLE001 - a bug on one row must not take the others down
@@ -171,8 +162,8 @@ class ProcessPool:
         self._iterating = False
 
     def __enter__(self) -> ProcessPool:
-        # We hold the only write end and never write: the workers watch it to outlive us by
-        # at most a second (see `_next_task`).
+        # We hold the only write end and never write: the workers watch it so as never to
+        # outlive us (see `_worker_main`).
         self._owner_alive_reader, self._owner_alive_writer = self.context.Pipe(duplex=False)
         self.workers = [self._start_worker() for _ in range(self.num_workers)]
         return self

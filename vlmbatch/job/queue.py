@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmbatch.io.manifest import Manifest
+from vlmbatch.io.storage import Location
 from vlmbatch.job.parts import committed_shards, part_counts, pending_shards
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 3, "lost": 4}
 class JobStatus:
     job_id: str
     state: str  # queued | running | completed | cancelling | cancelled | failed | lost
-    num_rows: int
+    num_rows: int | None  # None: JSONL on object storage, counted as its shards are read
     rows_ok: int
     rows_failed: int
     num_shards: int
@@ -61,7 +61,14 @@ def _queue_shards(manifest: Manifest, broker_url: str, shard_ids: list[int], ret
             app.send_task(SHARD_TASK, args=[str(manifest.job_dir), shard_id, retry_errors], queue=queue, producer=producer)
 
 
-def enqueue_job(manifest: Manifest, job_dir: Path, broker_url: str) -> int:
+def recorded_job_dir(job_id: str, broker_url: str) -> str | None:
+    """The folder (path or URL) that `submit` recorded in Redis for `job_id`, or None."""
+    from vlmbatch.workers.store import JobStore, connect
+
+    return JobStore(connect(broker_url), job_id).job_dir()
+
+
+def enqueue_job(manifest: Manifest, job_dir: Location, broker_url: str) -> int:
     """Queue one task per shard without a committed part on the model's queue; returns how many."""
     from vlmbatch.workers.app import queue_name
 
@@ -73,7 +80,7 @@ def enqueue_job(manifest: Manifest, job_dir: Path, broker_url: str) -> int:
     return len(pending)
 
 
-def job_status(job_dir: Path, broker_url: str) -> JobStatus:
+def job_status(job_dir: Location, broker_url: str) -> JobStatus:
     """Where the job stands: parts from the folder, the rest from Redis."""
     manifest = Manifest.load(job_dir)
     store = _store(manifest, broker_url)
@@ -114,7 +121,8 @@ def job_status(job_dir: Path, broker_url: str) -> JobStatus:
     started = store.started_at()
     if started is not None and status.rows_done and status.state in ("running", "queued"):
         status.rows_per_s = status.rows_done / max(time.time() - started, 1e-6)
-        status.eta_s = (status.num_rows - status.rows_done) / status.rows_per_s
+        if status.num_rows is not None:
+            status.eta_s = (status.num_rows - status.rows_done) / status.rows_per_s
     return status
 
 
@@ -137,13 +145,13 @@ def _job_state(num_shards: int, shards: Counter[str], cancelled: bool, registere
     return "queued" if shards["queued"] == num_shards else "running"
 
 
-def cancel_job(job_dir: Path, broker_url: str) -> None:
+def cancel_job(job_dir: Location, broker_url: str) -> None:
     """No new shard starts; running shards stop at their next step without committing."""
     manifest = Manifest.load(job_dir)
     _store(manifest, broker_url).cancel()
 
 
-def resume_job(job_dir: Path, broker_url: str, retry_errors: bool = False) -> int:
+def resume_job(job_dir: Location, broker_url: str, retry_errors: bool = False) -> int:
     """Re-queue every shard without a committed part (and, with `retry_errors`, every part
     holding error rows, to re-run just those rows); rebuilds Redis state from the folder."""
     from vlmbatch.workers.app import queue_name
@@ -169,7 +177,7 @@ def resume_job(job_dir: Path, broker_url: str, retry_errors: bool = False) -> in
     return len(pending)
 
 
-def follow_job(job_dir: Path, broker_url: str, console: Console | None = None, poll_s: float = 1.0) -> int:
+def follow_job(job_dir: Location, broker_url: str, console: Console | None = None, poll_s: float = 1.0) -> int:
     """Show a progress bar until the job ends; the exit code says how it ended."""
     import redis
     from rich.console import Console
@@ -216,7 +224,7 @@ def status_table(status: JobStatus) -> Any:
     rate = f"{status.rows_per_s:,.1f}" if status.rows_per_s is not None else "-"
     for name, value in [
         ("state", status.state),
-        ("rows done", f"{status.rows_done:,} / {status.num_rows:,}"),
+        ("rows done", f"{status.rows_done:,} / {'?' if status.num_rows is None else format(status.num_rows, ',')}"),
         ("rows failed", f"{status.rows_failed:,}"),
         ("shards", ", ".join(f"{state} {n}" for state, n in sorted(status.shards.items()) if n)),
         ("rows/s", rate),

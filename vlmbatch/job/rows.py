@@ -16,7 +16,11 @@ from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.structured.spec import parse_structured_output, resolve
 
-SAMPLING_OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# A row's own sampling columns, over the job's defaults (submit flags / the job file's
+# `sampling` keys, which take the same names). `logprobs` is OpenAI's boolean or, as in
+# vLLM, the number of top logprobs; `top_logprobs` (OpenAI) sets that number too.
+SAMPLING_OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "presence_penalty",
+                          "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "logprobs", "top_logprobs")
 
 
 @dataclass
@@ -73,6 +77,9 @@ def sampling_for_row(raw: dict[str, Any], defaults: SamplingParams) -> SamplingP
         return defaults
     if "stop" in overrides and isinstance(overrides["stop"], str):
         overrides["stop"] = (overrides["stop"],)
+    if "logit_bias" in overrides:
+        overrides["logit_bias"] = _json_value(overrides["logit_bias"], "logit_bias")
+    overrides.update(logprobs_override(overrides.pop("logprobs", None), overrides.pop("top_logprobs", None)))
     try:
         return defaults.updated(**overrides)
     except TypeError as exc:
@@ -86,6 +93,16 @@ def structured_for_row(raw: dict[str, Any], sampling: SamplingParams) -> Samplin
     if row_spec is None:
         return sampling
     return replace(sampling, structured_output=resolve(row_spec, sampling.structured_output))
+
+
+def logprobs_override(logprobs: Any, top_logprobs: Any) -> dict[str, Any]:
+    """OpenAI's `logprobs: true` + `top_logprobs: k`, or vLLM's `logprobs: k`, as `SamplingParams.logprobs`
+    ({} when neither asks for them; a bad value is left for `SamplingParams` to refuse)."""
+    if logprobs is False or (logprobs is None and top_logprobs is None):
+        return {}
+    if top_logprobs is not None:
+        return {"logprobs": top_logprobs}
+    return {"logprobs": 0 if logprobs is True else logprobs}
 
 
 def parse_row(row_id: int, raw: dict[str, Any], columns: Any, defaults: SamplingParams) -> RowRequest:

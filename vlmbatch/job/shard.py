@@ -73,9 +73,17 @@ class ShardTiming:
 
 
 class ResultRowFactory:
-    """Builds result rows with the manifest's fixed columns filled in."""
+    """Builds result rows with the manifest's fixed columns filled in: one per sample of a
+    row (`sample_index`) in jobs with n > 1, `logprobs` in jobs that asked for them
+    (`tokenizer` writes their token texts)."""
 
-    def __init__(self, manifest: Any, shard_id: int, attempt: int):
+    def __init__(self, manifest: Any, shard_id: int, attempt: int, tokenizer: Any = None):
+        from vlmbatch.engine.logprobs import TokenTexts
+        from vlmbatch.io.schema import SAMPLING_COLUMNS_KEY
+
+        asked = manifest.extra.get(SAMPLING_COLUMNS_KEY, [])
+        self.samples = "sample_index" in asked
+        self.token_texts = TokenTexts(tokenizer) if "logprobs" in asked and tokenizer is not None else None
         self.id_column = manifest.result_id_column
         self.input_id_column = manifest.columns.id
         self.passthrough = list(manifest.passthrough_schema.names)
@@ -97,24 +105,33 @@ class ResultRowFactory:
         }
         for name in self.passthrough:
             row[name] = raw.get(name)
+        if self.samples:
+            row["sample_index"] = 0  # a row that failed (or was only validated) has one result row
         return row
 
-    def ok(self, item: PreparedRow, output: RequestOutput) -> dict[str, Any]:
-        """A generated row; one the engine failed after admission (an incomplete structured
-        output, an uncompilable row spec) keeps its text and carries its error."""
-        completion = output.outputs[0]
-        error = completion.error
-        row = self._base(item.row_id, item.raw, item.request)
-        row.update(
-            generated_text=completion.text if completion.finish_reason != "error" else None,
-            finish_reason=completion.finish_reason or "length",
-            num_input_tokens=output.num_input_tokens,
-            num_generated_tokens=len(completion.token_ids),
-            error_type=error.error_type if error is not None else None,
-            error=error.message if error is not None else None,
-            **structured_text(self.output, item.sampling.structured_output, completion.text),
-        )
-        return row
+    def ok(self, item: PreparedRow, output: RequestOutput) -> list[dict[str, Any]]:
+        """The row's result rows: one per sample where the job has `sample_index`, else the
+        first. A sample the engine failed after admission (an incomplete structured output,
+        an uncompilable row spec) keeps its text and carries its error."""
+        rows = []
+        for completion in output.outputs if self.samples else output.outputs[:1]:
+            error = completion.error
+            row = self._base(item.row_id, item.raw, item.request)
+            row.update(
+                generated_text=completion.text if completion.finish_reason != "error" else None,
+                finish_reason=completion.finish_reason or "length",
+                num_input_tokens=output.num_input_tokens,
+                num_generated_tokens=len(completion.token_ids),
+                error_type=error.error_type if error is not None else None,
+                error=error.message if error is not None else None,
+                **structured_text(self.output, item.sampling.structured_output, completion.text),
+            )
+            if self.samples:
+                row["sample_index"] = completion.index
+            if self.token_texts is not None and completion.logprobs is not None:
+                row["logprobs"] = self.token_texts.records(completion.logprobs)
+            rows.append(row)
+        return rows
 
     def validated(self, item: PreparedRow) -> dict[str, Any]:
         """A row that passed validation in a no-generation run (dry-run, queue benchmark)."""
@@ -152,6 +169,7 @@ def run_shard(
     attempt: int = 1,
     should_stop: Callable[[], bool] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
     retry_errors: bool = False,
     row_range: tuple[int, int] | None = None,
     commit: bool = True,
@@ -168,6 +186,7 @@ def run_shard(
     process's worker and media configuration. JPEGs go to the engine undecoded as its
     `EngineConfig.gpu_image_decode` says, unless the job says otherwise (`submit
     --gpu-image-decode`). `slot` names the process's GPU in the shard's timing line.
+    `on_row` sees each result row as it is made (a worker's metrics).
     """
     from vlmbatch.io.results import read_part
     from vlmbatch.io.writer import write_part
@@ -175,7 +194,7 @@ def run_shard(
     started = time.monotonic()
     starts, restarts = preparer.starts, preparer.restarts
     plan = manifest.shards[shard_id]
-    factory = ResultRowFactory(manifest, shard_id, attempt)
+    factory = ResultRowFactory(manifest, shard_id, attempt, llm.tokenizer if llm is not None else None)
     outcome = ShardOutcome(shard_id=shard_id)
     kept: list[dict[str, Any]] = []
     only_rows: set[int] | None = None
@@ -194,17 +213,21 @@ def run_shard(
                                          defer_jpegs=defer)
     prepared = preparer.prepare(source, preparation, adapter)
 
-    def record(row: dict[str, Any], ok: bool) -> None:
-        ok = ok and row["error_type"] is None
-        outcome.rows.append(row)
+    def record(row: dict[str, Any] | list[dict[str, Any]], ok: bool) -> None:
+        """One input row's result: a row, or its samples' rows."""
+        rows = row if isinstance(row, list) else [row]
+        ok = ok and all(r["error_type"] is None for r in rows)
+        outcome.rows.extend(rows)
         if ok:
             outcome.rows_ok += 1
-            outcome.input_tokens += row["num_input_tokens"] or 0
-            outcome.output_tokens += row["num_generated_tokens"] or 0
+            outcome.input_tokens += rows[0]["num_input_tokens"] or 0
+            outcome.output_tokens += sum(r["num_generated_tokens"] or 0 for r in rows)
         else:
             outcome.rows_failed += 1
         if on_progress:
             on_progress(1 if ok else 0, 0 if ok else 1)
+        if on_row:
+            on_row(row)
 
     with closing(prepared):  # an early stop (cancel) shuts the preprocessing workers down
         if llm is None:
@@ -261,7 +284,7 @@ def _rows_in_range(
 def _validate_only(
     prepared: Iterator[PreparedRow],
     factory: ResultRowFactory,
-    record: Callable[[dict[str, Any], bool], None],
+    record: Callable[[dict[str, Any] | list[dict[str, Any]], bool], None],
     should_stop: Callable[[], bool] | None,
 ) -> bool:
     """Rows without generation (queue benchmark): parse and media checks only."""
@@ -279,7 +302,7 @@ def _generate(
     llm: Any,
     prepared: Generator[PreparedRow | None, bool | None, None],
     factory: ResultRowFactory,
-    record: Callable[[dict[str, Any], bool], None],
+    record: Callable[[dict[str, Any] | list[dict[str, Any]], bool], None],
     should_stop: Callable[[], bool] | None,
     max_inflight: int | None,
     budget: GpuMediaBudget,
@@ -375,7 +398,7 @@ def _isolate(
     llm: Any,
     inflight: dict[str, PreparedRow],
     factory: ResultRowFactory,
-    record: Callable[[dict[str, Any], bool], None],
+    record: Callable[[dict[str, Any] | list[dict[str, Any]], bool], None],
     batch_error: Exception,
 ) -> None:
     """After an engine failure on a batch, rerun its rows one by one to find the bad ones."""

@@ -45,6 +45,7 @@ class MediaLoader:
         allowed_networks: tuple[str, ...] = (),
         max_bytes: int | None = None,
         max_pixels: int | None = None,
+        objects: Any = None,
     ):
         from vlmbatch.media.video import default_video_options, parse_video_options
 
@@ -63,6 +64,7 @@ class MediaLoader:
             allow_local_files=allow_local_files,
             fetch=FetchPolicy.for_images(config, **fetch),
             max_pixels=max_pixels or int(image_options.get("max_pixels", DEFAULT_MAX_PIXELS)),
+            objects=objects,
         )
         self.video_options = parse_video_options(media_io_kwargs.get("video"), default_video_options(config))
         self.video_context = MediaContext(
@@ -70,6 +72,7 @@ class MediaLoader:
             allowed_local_path=allowed_local_path,
             allow_local_files=allow_local_files,
             fetch=FetchPolicy.for_videos(config, **fetch),
+            objects=objects,
         )
 
     def image(self, ref: Any, param: str = "image") -> Any:

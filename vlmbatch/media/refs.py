@@ -1,7 +1,8 @@
 """Media references → where their encoded bytes are, under one set of rules.
 
 Images and videos accept the same references (a path relative to the dataset's folder,
-`file://`, http(s), `data:` URLs, raw bytes, the Hugging Face `{bytes, path}` struct), so
+`file://`, http(s), `s3://` (object storage), `data:` URLs, raw bytes, the Hugging Face
+`{bytes, path}` struct), so
 the rules that keep a server safe (an allowed folder that `..` and symlinks cannot leave,
 no local files at all, the fetch policy) are written once, here.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from vlmbatch.media.fetch import FetchPolicy, fetch_bytes
 
 DEFAULT_MAX_PIXELS = 64_000_000
 # What a `data:` URL may declare for each kind of medium.
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs")
 DATA_URL_TYPES = {"image": ("image/",), "video": ("video/", "application/octet-stream")}
 
 
@@ -40,6 +42,10 @@ class MediaContext:
     allow_local_files: bool = True
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     max_pixels: int = DEFAULT_MAX_PIXELS
+    # Reads `s3://` (object-storage) media: `objects(url, max_bytes) -> bytes`, raising
+    # `RowError` (`io.storage.ObjectMedia`: its bucket allow-list and the size cap). None:
+    # such URLs are refused (the server's default).
+    objects: Callable[[str, int], bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,13 @@ def resolve_media(ref: Any, ctx: MediaContext, kind: str, param: str) -> MediaSo
         return _in_memory(_data_url_bytes(ref, kind, param), "<data URL>", kind, param)
     if scheme == "file":
         return _local(unquote(urlparse(ref).path), ctx, kind, param)
+    if scheme in OBJECT_SCHEMES:
+        if ctx.objects is None:
+            raise RowError(ErrorType.MEDIA_FORBIDDEN, f"{scheme}:// {kind} media are not allowed here", param)
+        try:
+            return _in_memory(ctx.objects(ref, ctx.fetch.max_bytes), ref, kind, param)
+        except RowError as error:
+            raise RowError(error.error_type, error.message, param) from error
     if "://" in ref:
         raise RowError(ErrorType.MEDIA_FORBIDDEN, f"unsupported URL scheme {scheme!r} for {kind} media", param)
     return _local(ref, ctx, kind, param)

@@ -1,6 +1,7 @@
 """The FastAPI application behind `vlmbatch serve`.
 
-Routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /version`.
+Routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /version`,
+`GET /metrics` (Prometheus).
 With an API key every `/v1/*` path, known or not, needs `Authorization: Bearer KEY`.
 A client that disconnects cancels its handler, which aborts its engine request.
 """
@@ -27,6 +28,7 @@ from vlmbatch.server.async_engine import AsyncEngine
 from vlmbatch.server.completions import ChatCompletions
 from vlmbatch.server.errors import APIError, install_error_handlers
 from vlmbatch.server.media import ServerMedia
+from vlmbatch.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, ServerMetrics
 from vlmbatch.server.protocol import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
 from vlmbatch.server.settings import ServerSettings
 
@@ -100,7 +102,8 @@ def create_app(adapter: ModelAdapter, engine: Engine, settings: ServerSettings) 
         media = ServerMedia(settings, adapter.frame_convention)
     except ValueError as exc:
         raise JobError(str(exc)) from exc
-    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(engine.load)
+    async_engine = AsyncEngine(engine, metrics=metrics)
     completions = ChatCompletions(adapter, async_engine, media, settings)
 
     @asynccontextmanager
@@ -117,6 +120,7 @@ def create_app(adapter: ModelAdapter, engine: Engine, settings: ServerSettings) 
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    app.add_middleware(CountResponses, metrics=metrics)  # outermost: refused requests count too
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, __: ClientGone) -> Response:
@@ -125,6 +129,11 @@ def create_app(adapter: ModelAdapter, engine: Engine, settings: ServerSettings) 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "requests_in_flight": async_engine.num_in_flight}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus exposition (docs/serve.md lists the metrics); outside /v1, so no API key."""
+        return Response(metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
     async def server_version() -> dict[str, str]:

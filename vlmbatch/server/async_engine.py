@@ -23,6 +23,7 @@ from vlmbatch.engine.outputs import CompletionOutput, RequestOutput
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.families.prompt import PreparedPrompt
+from vlmbatch.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def _snapshot(output: RequestOutput) -> RequestOutput:
         prompt=output.prompt,
         prompt_token_ids=output.prompt_token_ids,
         outputs=[
-            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason)
+            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason, o.error,
+                             None if o.logprobs is None else list(o.logprobs))
             for o in output.outputs
         ],
         finished=output.finished,
@@ -62,8 +64,9 @@ def _snapshot(output: RequestOutput) -> RequestOutput:
 class AsyncEngine:
     """Runs `engine` in a background thread; `generate()` streams one request's progress."""
 
-    def __init__(self, engine: Engine, batch_window_s: float = 0.005):
+    def __init__(self, engine: Engine, batch_window_s: float = 0.005, metrics: ServerMetrics | None = None):
         self._engine = engine
+        self._metrics = metrics
         engine.stream_outputs = True
         self._batch_window_s = batch_window_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -96,6 +99,7 @@ class AsyncEngine:
         disconnected) aborts the request in the engine, so nobody computes for a ghost.
         """
         outputs: asyncio.Queue = asyncio.Queue()
+        timer = self._metrics.timer() if self._metrics is not None else None
         self._commands.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), outputs))
         finished = False
         try:
@@ -105,6 +109,11 @@ class AsyncEngine:
                     finished = True  # the engine thread already dropped it
                     raise item
                 finished = item.finished
+                if timer is not None:
+                    generated = [len(o.token_ids) for o in item.outputs]
+                    timer.progressed(max(generated, default=0))
+                    if finished:
+                        timer.finished(len(item.prompt_token_ids or ()), sum(generated))
                 yield item
                 if finished:
                     return

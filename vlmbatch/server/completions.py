@@ -8,13 +8,15 @@ length) is checked before the request enters the engine, so those failures are p
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from vlmbatch.chat import parse_chat_messages
-from vlmbatch.engine.outputs import RequestOutput
+from vlmbatch.engine.logprobs import TokenTexts
+from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import RowError
 from vlmbatch.families.adapter import ModelAdapter
@@ -28,8 +30,11 @@ from vlmbatch.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
+    TokenLogprob as LogprobEntry,
+    TopLogprob,
     Usage,
     new_completion_id,
 )
@@ -61,6 +66,24 @@ def _raise_failed(output: RequestOutput) -> None:
         raise failed
 
 
+def _logprobs(texts: TokenTexts, entries: list[TokenLogprob]) -> ChoiceLogprobs:
+    """OpenAI's `logprobs` object for some of a choice's tokens."""
+
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=texts.text(token_id), logprob=logprob, bytes=list(texts.bytes(token_id)))
+
+    return ChoiceLogprobs(content=[
+        LogprobEntry(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, v) for t, v in e.top]) for e in entries
+    ])
+
+
+def _new_logprobs(texts: TokenTexts, completion: CompletionOutput, sent: dict[int, int]) -> ChoiceLogprobs:
+    """The logprobs of the choice's tokens not streamed yet (`sent`: how many were, per choice)."""
+    start = sent.get(completion.index, 0)
+    sent[completion.index] = len(completion.logprobs)
+    return _logprobs(texts, completion.logprobs[start:])
+
+
 class ChatCompletions:
     """Turns chat requests into engine requests and engine progress into OpenAI responses."""
 
@@ -72,6 +95,11 @@ class ChatCompletions:
         # Prompt rendering and HF processors are not safe to share across threads, so one
         # thread does all of it; media fetching and decoding run in the media pool.
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="vlmbatch-prompt")
+
+    @functools.cached_property
+    def _token_texts(self) -> TokenTexts:
+        """Built on the first request that asks for logprobs."""
+        return TokenTexts(self._adapter.processor.tokenizer)
 
     def close(self) -> None:
         self._prompt_thread.shutdown(wait=False, cancel_futures=True)
@@ -101,6 +129,9 @@ class ChatCompletions:
             raise
         # Without a limit the request may use the rest of the context (`prepare` left at least 1).
         max_tokens = request.requested_max_tokens or self._adapter.max_model_len - prompt.num_tokens
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_request")
+        given = {name: getattr(request, name) for name in ("top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")}
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -110,7 +141,11 @@ class ChatCompletions:
             n=request.n,
             ignore_eos=request.ignore_eos,
             structured_output=structured,
-        )
+            min_tokens=request.min_tokens,
+            logit_bias=request.logit_bias or {},
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        ).updated(**given)
+        params.check_vocabulary(len(self._adapter.tokenizer))
         return PreparedRequest(new_completion_id(), prompt, params)
 
     @staticmethod
@@ -151,7 +186,8 @@ class ChatCompletions:
             id=request.request_id,
             model=self._settings.model_id,
             choices=[
-                Choice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason or "stop")
+                Choice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason or "stop",
+                       logprobs=None if o.logprobs is None else _logprobs(self._token_texts, o.logprobs))
                 for o in final.outputs
             ],
             usage=_usage(final),
@@ -169,6 +205,7 @@ class ChatCompletions:
 
         yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(request.params.n)])
         trackers = {i: DeltaTracker(request.params.stop) for i in range(request.params.n)}
+        logprobs_sent: dict[int, int] = {}
         final: RequestOutput | None = None
         try:
             async for output in self._engine.generate(request.request_id, request.prompt, request.params):
@@ -181,12 +218,14 @@ class ChatCompletions:
                         continue
                     done = output.finished or completion.finish_reason is not None
                     delta = tracker.next_delta(completion.text, done)
-                    if delta or done:
+                    logprobs = None if completion.logprobs is None else _new_logprobs(self._token_texts, completion, logprobs_sent)
+                    if delta or done or (logprobs is not None and logprobs.content):
                         choices.append(
                             ChunkChoice(
                                 index=completion.index,
                                 delta=Delta(content=delta),
                                 finish_reason=(completion.finish_reason or "stop") if done else None,
+                                logprobs=logprobs,
                             )
                         )
                     if not done:

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.image import load_image
 from vlmbatch.media.loader import MediaLoader
+from vlmbatch.media.refs import OBJECT_SCHEMES
 from vlmbatch.media.video import QWEN2_5_VL, FrameConvention, load_video, override_video_options
 from vlmbatch.server.settings import ServerSettings
 
@@ -62,6 +63,7 @@ class ServerMedia:
             allowed_networks=settings.allowed_media_networks,
             max_bytes=settings.max_media_bytes,
             max_pixels=settings.max_image_pixels,
+            objects=settings.object_media,
         )
         self._pool = ThreadPoolExecutor(settings.media.media_loading_thread_count, thread_name_prefix="vlmbatch-media")
 
@@ -73,6 +75,14 @@ class ServerMedia:
         scheme = urlparse(ref).scheme.lower() if isinstance(ref, str) else ""
         if scheme in ("http", "https", "data"):
             return
+        if scheme in OBJECT_SCHEMES:
+            if self._settings.object_media is None:
+                raise RowError(
+                    ErrorType.MEDIA_FORBIDDEN,
+                    f"{scheme}:// media URLs are disabled; the server must be started with --allowed-media-buckets BUCKET",
+                    param,
+                )
+            return
         if scheme == "file":
             if self._settings.allowed_local_media_path is None:
                 raise RowError(
@@ -81,7 +91,7 @@ class ServerMedia:
                     param,
                 )
             return
-        raise RowError(ErrorType.INVALID_ROW, "a media url must be an http(s)://, data: or file:// URL", param)
+        raise RowError(ErrorType.INVALID_ROW, "a media url must be an http(s)://, data:, file:// or s3:// URL", param)
 
     def _request_video_options(self, request_kwargs: dict[str, dict[str, Any]] | None):
         request_kwargs = request_kwargs or {}

@@ -32,7 +32,16 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
-    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's extensions
+    top_k: int | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Per-request media loading options, e.g. {"video": {"num_frames": 4}}; they override
@@ -71,11 +80,27 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's `choices[i].logprobs`: one entry per generated token."""
+
+    content: list[TokenLogprob] | None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -96,7 +121,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None  # the tokens generated since the choice's previous chunk
 
 
 class ChatCompletionChunk(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from vlmbatch.config import MediaConfig
@@ -30,6 +31,9 @@ class ServerSettings:
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     media: MediaConfig = field(default_factory=MediaConfig)  # fetch timeouts, decoder defaults, loading threads
+    # Reads s3:// media of the buckets `--allowed-media-buckets` names (`io.storage.ObjectMedia`,
+    # built by the CLI); None: s3:// media URLs are refused.
+    object_media: Callable[[str, int], bytes] | None = None
 
     @property
     def model_id(self) -> str:

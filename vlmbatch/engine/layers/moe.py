@@ -47,6 +47,7 @@ class FusedMoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory), requires_grad=False)
         self.run_experts = kernels.fused_moe if kernels is not None else fused_moe_ref
+        self.fp8_scales: dict[str, torch.Tensor] = {}  # FP8 experts: the kernels' gate_up_scales / down_scales
 
     @classmethod
     def from_config(cls, text_config: Any, kernels: Any | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FusedMoE:
@@ -59,7 +60,19 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self.run_experts(x, self.gate_up, self.down, weights, ids)
+        return self.run_experts(x, self.gate_up, self.down, weights, ids, **self.fp8_scales)
+
+    @property
+    def takes_fp8(self) -> bool:
+        """Whether the experts run on the Triton kernels, which take FP8 weights as they are."""
+        return self.run_experts is not fused_moe_ref
+
+    def use_fp8(self, gate_up: torch.Tensor, gate_up_scales: torch.Tensor, down: torch.Tensor, down_scales: torch.Tensor) -> None:
+        """Hold the experts in FP8 (float8_e4m3fn, our layout) with float32 block scales
+        [experts, blocks of rows (or rows), blocks of K]; the kernels dequantize per tile."""
+        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
+        self.down = nn.Parameter(down, requires_grad=False)
+        self.fp8_scales = {"gate_up_scales": gate_up_scales.float().contiguous(), "down_scales": down_scales.float().contiguous()}
 
     @torch.no_grad()
     def load_from_hf(self, block: nn.Module) -> None:

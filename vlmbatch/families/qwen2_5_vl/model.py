@@ -19,6 +19,9 @@ class Qwen25VLModel(QwenVL):
         self.tower = QwenVisionTower.from_hf(self.hf.model.visual, weight.device, weight.dtype, self.kernels)
         self.hf.model.visual = None  # ours holds the weights now
 
+    def vision_modules(self) -> list[torch.nn.Module]:
+        return [self.tower]
+
     def tower_features(self, kind: str, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         return self.tower(pixels, grids)
 

@@ -1,0 +1,103 @@
+"""`vlmbatch bench kernels --sections fp8`: FP8 products against bf16 cuBLAS on 3B/7B shapes.
+
+Each row times one layer's product, activation quantization included, in a CUDA graph over
+weights cycled past the L2 (as a decode step reads them): bf16 `F.linear`; the block layout
+(1x128 activation groups, 128x128 weight blocks) on our Triton GEMM; the per-channel layout
+on our Triton GEMM and on cuBLAS (`torch._scaled_mm`). `KernelSet.fp8`'s rule (Triton up
+to `FP8_TRITON_MAX_ROWS` rows, cuBLAS above, for per-channel weights) is read off this table.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vlmbatch.kernels.fp8 import fp8_gemm, quantize_fp8, scaled_mm
+from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
+from vlmbatch.testing.fp8_checkpoints import quantization_config
+
+FP8_ROWS = (1, 16, 64, 256, 2048)
+
+# Logit bound of FP8 (w8a8 e4m3) against fp32 transformers on the same (round-tripped)
+# weights: the weights are then exact, but every linear layer's input is rounded to e4m3
+# (3 mantissa bits: relative error up to 2^-4, ~2^-4/sqrt(12) ≈ 1.8% RMS per element),
+# which bf16 (2^-9) is 32x finer than; the bf16 floor of 2e-2 times that margin, capped,
+# gives 0.15 of relative L2 per position (measured figures in docs/engine.md).
+FP8_MIN_BOUND = 0.15
+
+
+@torch.no_grad()
+def round_trip_language_model(hf_model: torch.nn.Module, quantization: str) -> int:
+    """Replace the decoder projections of `hf_model`'s language model by their fp8 round
+    trip in the layout `quantization` names (`fp8`: per channel, `fp8-block`: 128x128),
+    what our engine then runs, in place; returns how many."""
+    def round_trip(w: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_fp8_blocks_ref(w.float()) if quantization == "fp8-block" else quantize_fp8_ref(w.float(), None)
+        return dequantize_fp8_ref(q, s).to(w.dtype)
+
+    count = 0
+    for name, module in hf_model.model.language_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
+            module.weight.copy_(round_trip(module.weight))
+            count += 1
+        elif name.endswith("mlp.experts"):  # [E, 2I, H] gate rows first, [E, H, I]: each expert's gate, up, down alone
+            for gate_up, down in zip(module.gate_up_proj, module.down_proj):
+                half = gate_up.shape[0] // 2
+                gate_up.copy_(torch.cat([round_trip(gate_up[:half]), round_trip(gate_up[half:])]))
+                down.copy_(round_trip(down))
+            count += 1
+    return count
+
+
+def vllm_model_folder(folder: Path, quantization: str) -> Path:
+    """A copy of the bench model folder whose config.json names the published checkpoint
+    format of `quantization` (compressed-tensors per channel for `fp8`, Qwen's block-wise
+    for `fp8-block`): vLLM's dummy loader then builds and runs that format's own layers."""
+    target = folder.with_name(f"{folder.name}-{quantization}")
+    shutil.copytree(folder, target, dirs_exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = quantization_config("fp8-block" if quantization == "fp8-block" else "fp8-dynamic")
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph_ms_per_call: Callable, bytes_per_graph: int,
+                     rows: tuple[int, ...] = FP8_ROWS) -> list[dict]:  # fmt: skip
+    """One row per (model, layer, rows, variant); rel_err against bf16 `F.linear` on the
+    unquantized weight (the first of each cycle). `shapes`, `graph_ms_per_call` and
+    `bytes_per_graph` are `bench.kernels`' (the bf16 linear section's)."""
+    out = []
+    for model, layers in shapes.items():
+        for name, n, k in layers:
+            count = max(1, bytes_per_graph // (n * k))
+            base = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            bf16 = [base] + [torch.randn_like(base) for _ in range(max(1, count // 2) - 1)]
+            block = [quantize_fp8_blocks_ref(base.float())] + [_random_fp8(n, k, (-(-n // 128), -(-k // 128)), device) for _ in range(count - 1)]
+            channel = [quantize_fp8_ref(base.float(), None)] + [_random_fp8(n, k, (n, 1), device) for _ in range(count - 1)]
+            for num_rows in rows:
+                x = torch.randn(num_rows, k, device=device, dtype=torch.bfloat16)
+                expected = F.linear(x, base).float()
+
+                def add(variant: str, fn: Callable, weights: list, nbytes: int) -> None:
+                    result = fn(weights[0]).float()
+                    ms = graph_ms_per_call(fn, weights)
+                    out.append({"model": model, "layer": name, "rows": num_rows, "variant": variant, "us": 1000 * ms,
+                                "weight_tb_s": nbytes / ms / 1e9, "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tb_s,
+                                "rel_err": ((result - expected).norm() / expected.norm()).item()})  # fmt: skip
+
+                add("bf16 cublas", lambda w: F.linear(x, w), bf16, 2 * n * k)
+                add("fp8 block triton", lambda w: fp8_gemm(*quantize_fp8(x, 128), *w), block, n * k)
+                add("fp8 channel triton", lambda w: fp8_gemm(*quantize_fp8(x), *w), channel, n * k)
+                if n % 16 == 0 and k % 16 == 0:
+                    add("fp8 channel cublas", lambda w: scaled_mm(*quantize_fp8(x), *w), channel, n * k)
+            del bf16, block, channel
+    return out
+
+
+def _random_fp8(n: int, k: int, scale_shape: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, k, device=device).to(torch.float8_e4m3fn), torch.rand(scale_shape, device=device) * 1e-3
