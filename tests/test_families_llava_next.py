@@ -119,7 +119,8 @@ def media_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("arch", [pytest.param("llava_next", marks=pytest.mark.slow), "llava_onevision"])
+@pytest.mark.slow  # ~40 s each: subprocesses
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, media_folder, tmp_path):
     """Images (one, two), a chat row, a corrupt image; a video is a row like any other on
     OneVision and an `unsupported_media` row error on NeXT; the dry run finds the bad rows."""
@@ -146,6 +147,7 @@ def test_a_job_with_images_videos_and_bad_rows_completes(arch, tiny_model_dir, m
         assert by_id["video"]["num_input_tokens"] >= 24 * 4 + 1  # all 24 frames of the 3 s clip, 2x2 pooled, a newline
 
 
+@pytest.mark.slow  # ~30 s: a server per family
 def test_serve_answers_images_and_videos(tiny_model_dir, media_folder):
     """OneVision answers images, videos and both; NeXT answers images and refuses a video
     with a 400 naming `unsupported_media`."""
