@@ -61,9 +61,20 @@ def smolvlm_prompt(text: str, num_images: int, with_video: bool) -> str:
     return "<|im_start|>" + idefics3_prompt(text, num_images, with_video)
 
 
-PROMPTS = {"qwen": qwen_prompt, "llava": llava_prompt, "internvl": internvl_prompt, "idefics3": idefics3_prompt,
+def mistral_prompt(text: str, num_images: int, with_video: bool) -> str:
+    return "[INST] " + "<image>\n" * num_images + f"{SYSTEM} {text} [/INST]"
+
+
+def onevision_prompt(text: str, num_images: int, with_video: bool) -> str:
+    media = "<image>" * num_images + ("<video>" if with_video else "")
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user {media}\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+# by family-name prefix, the first that matches (so llava_next before llava)
+PROMPTS = {"qwen": qwen_prompt, "llava_next": mistral_prompt, "llava_onevision": onevision_prompt, "llava": llava_prompt,
+           "internvl": internvl_prompt, "idefics3": idefics3_prompt,
            "smolvlm": smolvlm_prompt, "gemma3": gemma3_prompt}
-VIDEO_FAMILIES = ("qwen", "internvl", "smolvlm")
+VIDEO_FAMILIES = ("qwen", "internvl", "smolvlm", "llava_onevision")
 VIDEO_ALONE = ("smolvlm",)  # its prompts take images or videos, not both
 
 

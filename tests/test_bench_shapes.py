@@ -105,3 +105,23 @@ def test_gemma3_12b_folder_keeps_its_layer_pattern_rope_and_image_tokens(tmp_pat
     adapter = load_adapter(str(path))
     expanded = adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))])
     assert 256 + 2 < expanded <= 256 + 2 + 5  # begin/end of image, the newlines around it, BOS
+
+
+@pytest.mark.parametrize(("name", "tokens"), [("llava_next_7b", 1 + 2928), ("llava_onevision_7b", 3699)])
+def test_llava_folders_tile_a_448_image_as_the_published_models_do(tmp_path, name, tokens):
+    """A 448x448 image is a 2x2 grid of tiles plus the base view (LLaVA-NeXT: BOS + 576 base
+    + 48x48 + 48 newlines; OneVision: 729 + 54x54 + 54, under anyres_max_9's budget), so the
+    W1 prompt is the image plus 32 words."""
+    from transformers import AutoConfig
+
+    from vlmbatch.bench.workloads import MIN_TEXT_TOKENS, build_workload
+    from vlmbatch.families.registry import load_adapter
+
+    shape = resolve_shape(name)
+    path = write_model_folder(shape, tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == [shape.architecture] and config.image_grid_pinpoints == shape.top["image_grid_pinpoints"]
+    assert config.text_config.num_hidden_layers == shape.text["num_hidden_layers"]
+    adapter = load_adapter(str(path))
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == tokens
+    assert build_workload("w1", adapter, 2, seed=1).prompt_tokens == tokens + MIN_TEXT_TOKENS

@@ -14,7 +14,8 @@ from vlmbatch.engine.llm import LLM
 from vlmbatch.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
-ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "internvl", "idefics3", "smolvlm", "gemma3"]
+ARCHS = ["qwen2_5_vl", "qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "internvl", "idefics3", "smolvlm", "gemma3",
+         "llava_next", "llava_onevision"]
 
 
 def _image(h: int, w: int, seed: int) -> Image.Image:
@@ -23,7 +24,7 @@ def _image(h: int, w: int, seed: int) -> Image.Image:
 
 def _cases(arch: str) -> list[tuple[str, list[Image.Image]]]:
     """(raw prompt, images): one image, two images, a longer text with one image."""
-    if arch == "llava":
+    if arch.startswith("llava"):
         return [
             ("USER: <image>\nDescribe the image. ASSISTANT:", [_image(60, 80, 1)]),
             ("USER: <image>\n<image>\nWhat is the same in both? ASSISTANT:", [_image(56, 56, 2), _image(90, 70, 3)]),
@@ -58,7 +59,8 @@ def _hf_generate(
 ) -> list[list[int]]:
     """The reference: the checkpoint's own processor and `generate()`, nothing of ours."""
     processor, model = _hf_model(path, device, dtype)
-    # each prompt's images as a list of their own: every processor takes that (SmolVLM's only that)
+    # each prompt's images as a list of their own: every processor takes that (SmolVLM's only that),
+    # and LLaVA-OneVision tiles only the lone image of a prompt
     inputs = processor(text=prompts, images=images, padding=True, padding_side="left", return_tensors="pt")
     inputs = inputs.to(device, dtype=dtype)  # casts the pixels only, as our engine does
     with torch.inference_mode():
@@ -86,7 +88,7 @@ def test_single_prompts_match_generate(arch_and_llm):
         [reference] = _hf_generate(path, [prompt], [images])
         assert ours.outputs[0].token_ids == reference
         processor, _ = _hf_model(path)
-        assert ours.prompt_token_ids == processor(text=[prompt], images=images, return_tensors="pt")["input_ids"][0].tolist()
+        assert ours.prompt_token_ids == processor(text=[prompt], images=[images], return_tensors="pt")["input_ids"][0].tolist()
 
 
 def test_batched_prompts_match_generate(arch_and_llm):

@@ -73,7 +73,8 @@ def test_bad_prompts_raise_their_row_error(llm):
         LLM(llm.model_name, max_batch_size=8)  # an option the engine does not know is named, never dropped
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava", "qwen3_vl", "internvl", "idefics3", "smolvlm", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava", "qwen3_vl", "internvl", "idefics3", "smolvlm", "gemma3",
+                                  "llava_next", "llava_onevision"])
 def test_chat_with_data_url_images_matches_the_raw_prompt(tiny_model_dir, arch):
     chat_llm = LLM(str(tiny_model_dir(arch)), engine="hf")
     image = _image(70, 90, 3)

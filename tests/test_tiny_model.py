@@ -36,7 +36,7 @@ def test_loads_and_generates_with_an_image(tiny_model_dir, arch):
     inputs = processor(text=[prompt], images=[_image()], return_tensors="pt")
     image_token = model.config.image_token_id if arch != "llava" else model.config.image_token_index
     num_image_tokens = int((inputs["input_ids"] == image_token).sum())
-    assert 4 <= num_image_tokens <= 64  # tiny processor settings keep images cheap
+    assert 4 <= num_image_tokens <= 256  # tiny processor settings keep images cheap (anyres tiles included)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=5, do_sample=False, min_new_tokens=5)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 5

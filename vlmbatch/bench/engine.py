@@ -37,7 +37,7 @@ from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model, vllm_mo
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
 from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, use_full_size_vocab, warm_compile
 from vlmbatch.bench.timing import RunResult, run_engine
-from vlmbatch.bench.workloads import PROMPT_TOKENS, W2_OUTPUT_RANGE, Workload, build_workload
+from vlmbatch.bench.workloads import W2_OUTPUT_RANGE, Workload, build_workload, workload_prompt_tokens
 
 VLLM_WARMUP_REQUESTS = 64
 
@@ -180,7 +180,7 @@ def _check_row(name: str, errors: dict[str, Any], bound: float) -> str:
 def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int,
             load_format: str | None = None):
     return adapt.paged_engine(
-        adapter, hf_model, dtype=dtype, device=device, max_model_len=PROMPT_TOKENS + W2_OUTPUT_RANGE[1],
+        adapter, hf_model, dtype=dtype, device=device, max_model_len=workload_prompt_tokens(adapter) + W2_OUTPUT_RANGE[1],
         max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
         attention_backend=options.attention_backend, async_decode=options.async_decode, quantization=options.quantization,

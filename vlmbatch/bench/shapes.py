@@ -54,6 +54,12 @@ _QWEN3_TEXT = dict(head_dim=128, vocab_size=151936, tie_word_embeddings=False, m
 _QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
+# LLaVA-NeXT (llava-v1.6-mistral-7b-hf): CLIP-L/336 (CLS dropped, layer -2), five 1x2..3x1 grids
+# of 336 px tiles; a 448x448 image is a 2x2 grid plus the base view, 2,928 tokens.
+_LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+# LLaVA-OneVision (llava-onevision-qwen2-7b-ov-hf): SigLIP-so400m/384 without its last layer,
+# every 1..6 x 1..6 grid of 384 px tiles, anyres_max_9; a 448x448 image is 3,699 tokens.
+_ONEVISION_PINPOINTS = [[384 * rows, 384 * cols] for rows in range(1, 7) for cols in range(1, 7)]
 # InternVL3-8B-hf: InternViT-300M-448px-V2.5 (CLS token, layer scale, LayerNorm, q/k/v biases),
 # 0.5 pixel shuffle (256 tokens a 448 px tile), Qwen2.5-7B; the image processor's own
 # ImageNet mean/std and 448 px tiles, up to 12 of them plus the thumbnail. Its rope_scaling
@@ -97,6 +103,10 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                source="the tiny Qwen3-VL test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("tiny_qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
                source="the tiny Qwen3-VL-MoE test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("tiny_llava_next", "llava_next", "LlavaNextForConditionalGeneration",
+               source="the tiny LLaVA-NeXT test checkpoint's own sizes (CPU smoke runs)"),
+    ModelShape("tiny_llava_onevision", "llava_onevision", "LlavaOnevisionForConditionalGeneration",
+               source="the tiny LLaVA-OneVision test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("qwen2_5_vl_3b", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
                text=dict(_QWEN25_TEXT, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                          intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
@@ -126,6 +136,27 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                image_processor=_QWEN3_IMAGE,
                text_json_extra={"num_experts": 128},  # transformers 5.24 writes num_local_experts; 5.17 (vLLM's) reads this
                source="Qwen/Qwen3-VL-30B-A3B-Instruct config.json (../shared/FACTS.md)"),
+    ModelShape("llava_next_7b", "llava_next", "LlavaNextForConditionalGeneration",
+               text=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, vocab_size=32064),
+               vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                           image_size=336, patch_size=14, projection_dim=768),
+               top={"image_grid_pinpoints": _LLAVA_NEXT_PINPOINTS, "tie_word_embeddings": False},
+               image_processor={"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336},
+                                "image_grid_pinpoints": _LLAVA_NEXT_PINPOINTS},
+               source="llava-hf/llava-v1.6-mistral-7b-hf config.json"),
+    ModelShape("llava_onevision_7b", "llava_onevision", "LlavaOnevisionForConditionalGeneration",
+               text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, vocab_size=152128),
+               vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16,
+                           image_size=384, patch_size=14),
+               top={"image_grid_pinpoints": _ONEVISION_PINPOINTS, "tie_word_embeddings": False},
+               image_processor={"size": {"height": 384, "width": 384}, "image_grid_pinpoints": _ONEVISION_PINPOINTS},
+               video_processor={"size": {"height": 384, "width": 384}},  # frames of one tile (vLLM profiles a video)
+               processor={"num_image_tokens": 729},  # (384 / 14) ** 2 patches per tile
+               source="llava-hf/llava-onevision-qwen2-7b-ov-hf config.json"),
     ModelShape("tiny_internvl", "internvl", "InternVLForConditionalGeneration",
                source="the tiny InternVL3 test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("internvl3_8b", "internvl", "InternVLForConditionalGeneration", **_INTERNVL3_8B,

@@ -2,7 +2,8 @@
 
 W1 = N requests, each with its own 448x448 image, a prompt of 288 tokens once the image's
 placeholder expands (256 image tokens on Qwen2.5-VL, 196 on Qwen3-VL: the text fills the
-rest), exactly 128 output tokens (EOS ignored). W2 = the same with output lengths uniform
+rest; where one image alone is longer, as LLaVA-NeXT's 2,928 and LLaVA-OneVision's 3,699
+tiled tokens, the image plus 32 words), exactly 128 output tokens (EOS ignored). W2 = the same with output lengths uniform
 in 16..512. A request is its raw prompt text (one placeholder per image), the same prompt
 as token ids with one placeholder token per image (the form vLLM takes), the seeds of its
 images, and its forced output length. Images are made from their seeds, so another
@@ -32,6 +33,7 @@ W1_OUTPUT_TOKENS = 128
 W2_OUTPUT_RANGE = (16, 512)
 WORKLOADS = ("w1", "w2")
 JPEG_QUALITY = 85
+MIN_TEXT_TOKENS = 32  # words after an image that alone fills PROMPT_TOKENS
 
 # Words to draw prompts from; those the tokenizer keeps as one token after a space are used.
 _WORDS = (
@@ -133,6 +135,17 @@ def prompt_words(tokenizer) -> list[str]:
     return words
 
 
+def image_prompt_tokens(adapter, image_side: int = IMAGE_SIDE) -> int:
+    """Tokens of a prompt that is one `image_side`-square image's placeholder alone."""
+    return adapter.check(adapter.image_placeholder, [Image.new("RGB", (image_side, image_side))])
+
+
+def workload_prompt_tokens(adapter, image_side: int = IMAGE_SIDE, prompt_tokens: int = PROMPT_TOKENS) -> int:
+    """A workload prompt's length on `adapter`'s model: `prompt_tokens`, or the image plus
+    `MIN_TEXT_TOKENS` words where the image alone leaves fewer."""
+    return max(prompt_tokens, image_prompt_tokens(adapter, image_side) + MIN_TEXT_TOKENS)
+
+
 def build_workload(name: str, adapter, count: int, seed: int, image_side: int = IMAGE_SIDE,
                    prompt_tokens: int = PROMPT_TOKENS) -> Workload:
     """`count` requests of workload `name` for `adapter`'s model: distinct images (seeded by
@@ -140,10 +153,8 @@ def build_workload(name: str, adapter, count: int, seed: int, image_side: int = 
     rng = random.Random(seed)
     words = prompt_words(adapter.tokenizer)
     first_seed = seed * 1_000_003
-    placeholder_tokens = adapter.check(adapter.image_placeholder, [make_image(first_seed, image_side)])
-    text_tokens = prompt_tokens - placeholder_tokens
-    if text_tokens < 1:
-        raise ValueError(f"one {image_side}x{image_side} image is {placeholder_tokens} tokens: no room in a {prompt_tokens}-token prompt")
+    prompt_tokens = workload_prompt_tokens(adapter, image_side, prompt_tokens)
+    text_tokens = prompt_tokens - image_prompt_tokens(adapter, image_side)
     requests = []
     for index, length in enumerate(output_lengths(name, count)):
         prompt = adapter.image_placeholder + "".join(" " + rng.choice(words) for _ in range(text_tokens))

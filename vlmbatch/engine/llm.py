@@ -152,7 +152,7 @@ class LLM:
             _, image_refs, video_refs = parse_chat_messages(conversation)
             prompt = self.adapter.apply_chat_template(conversation)
             images = [self.media.image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
-            videos = [self.media.video(ref, f"video[{i}]") for i, ref in enumerate(video_refs)]
+            videos = [self.media.video(ref, f"video[{i}]", convention=self.adapter.frame_convention) for i, ref in enumerate(video_refs)]
             sp.check_vocabulary(len(self.tokenizer))
             prepared = self.adapter.prepare(prompt, images, videos, max_tokens=sp.max_tokens)
             requests.append((self._next_request_id(), prepared, sp))

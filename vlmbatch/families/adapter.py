@@ -14,10 +14,13 @@ from typing import Any
 from vlmbatch.families.prompt import MediaItem, PreparedPrompt, collate
 from vlmbatch.families.registry import Family
 from vlmbatch.media.types import EncodedImage, VideoFrames
+from vlmbatch.media.video.sampling import QWEN2_5_VL, FrameConvention
 
 
 class ModelAdapter(ABC):
     """Family-specific prompt building and preprocessing around an HF processor."""
+
+    frame_convention: FrameConvention = QWEN2_5_VL  # how its videos are sampled (media/video/sampling.py)
 
     def __init__(self, model_path: str, processor: Any, config: Any, family: Family):
         self.model_path = model_path

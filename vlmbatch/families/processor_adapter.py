@@ -47,6 +47,18 @@ def media_hash(media: Any) -> str:
     return digest.hexdigest()
 
 
+def sampled_video_inputs(videos: list[VideoFrames]) -> dict[str, Any]:
+    """The processor's arguments for already-sampled videos (so it must not sample again):
+    (T, H, W, 3) uint8 frames, GPU decoders' CUDA tensors kept as they are with `device=`
+    their GPU (the processor's torch code resizes and normalises them there, no host round
+    trip), anything else as numpy (the processor's usual CPU path)."""
+    arrays = [v.frames if isinstance(v.frames, torch.Tensor) else np.asarray(v.frames) for v in videos]
+    kwargs: dict[str, Any] = {"videos": arrays, "do_sample_frames": False}
+    # a row's videos share one backend, so one device; its images keep the CPU path
+    device = next((a.device for a in arrays if isinstance(a, torch.Tensor) and a.device.type != "cpu"), None)
+    if device is not None:
+        kwargs["videos_kwargs"] = {"device": device}
+    return kwargs
 def _keyed(content_hash: str, processor_kwargs: dict[str, Any]) -> str:
     """A media item's cache key under per-row processor options: the same pixels tiled
     differently (InternVL's `max_patches`) give other encoder outputs."""
@@ -141,6 +153,10 @@ class ProcessorAdapter(ModelAdapter):
                 param="prompt",
             )
 
+    def _image_inputs(self, images: list[Any]) -> Any:
+        """The processor's `images=` argument for one prompt's images."""
+        return images or None
+
     def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
         """Processor arguments (`videos=...` and metadata) for already-sampled frames."""
         return {}
@@ -187,7 +203,8 @@ class ProcessorAdapter(ModelAdapter):
         self._validate(prompt, images, [], processor_kwargs)
         num_tokens = self._count_text_tokens(prompt)
         # each placeholder token becomes the image's tokens
-        num_tokens += sum(self._image_tokens(image.height, image.width, processor_kwargs) for image in images) - len(images)
+        sizes = [(image.height, image.width) for image in images]
+        num_tokens += sum(self._image_token_counts(sizes, processor_kwargs)) - len(images)
         self._check_length(num_tokens, max_tokens)
         return num_tokens
 
@@ -198,6 +215,11 @@ class ProcessorAdapter(ModelAdapter):
         if backend is None:
             return len(self.tokenizer(prompt)["input_ids"])
         return len(backend.encode(prompt, add_special_tokens=True).ids)
+
+    def _image_token_counts(self, sizes: list[tuple[int, int]], processor_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Tokens of each image of one prompt, from the (height, width) of all of them
+        (LLaVA-OneVision counts an image differently when the prompt has several)."""
+        return [self._image_tokens(height, width, processor_kwargs) for height, width in sizes]
 
     def _image_tokens(self, height: int, width: int, processor_kwargs: dict[str, Any] | None = None) -> int:
         """Tokens of one image of this size, memoised: datasets repeat sizes, the formula is slow."""
@@ -217,7 +239,7 @@ class ProcessorAdapter(ModelAdapter):
         expands them; each item carries its bytes and what the engine needs before the
         pixels exist (`_encoded_tensors`)."""
         self._validate(prompt, images, [])
-        counts = [self._image_tokens(image.height, image.width) for image in images]
+        counts = self._image_token_counts([(image.height, image.width) for image in images])
         pieces = prompt.split(self.image_token)
         expanded = pieces[0] + "".join(self.image_token * count + piece for count, piece in zip(counts, pieces[1:]))
         token_ids: list[int] = self.tokenizer([expanded])["input_ids"][0]
@@ -249,7 +271,8 @@ class ProcessorAdapter(ModelAdapter):
         self._validate(prompt, images, videos, processor_kwargs)
         try:
             processed = self.processor(
-                text=[prompt], images=images or None, return_tensors="pt", **self._video_inputs(videos), **processor_kwargs
+                text=[prompt], images=self._image_inputs(images), return_tensors="pt", **self._video_inputs(videos),
+                **processor_kwargs,
             )
         except (ValueError, TypeError) as exc:  # e.g. an image below the minimum size or of odd shape
             raise RowError(ErrorType.UNSUPPORTED_MEDIA, f"the processor rejected the media: {exc}") from exc

@@ -62,6 +62,8 @@ FAMILIES: dict[str, Family] = {
         _family("idefics3", {IMAGES}),
         _family("smolvlm", {IMAGES, VIDEO}),
         _family("gemma3", {IMAGES}),
+        _family("llava_next", {IMAGES}),
+        _family("llava_onevision", {IMAGES, VIDEO}),
     )
 }
 _BY_MODEL_TYPE = {model_type: f for f in FAMILIES.values() for model_type in f.model_types}

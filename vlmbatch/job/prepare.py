@@ -106,7 +106,8 @@ def build_prompt(
         return _prepare_encoded(prompt or "", image_refs, adapter, media, request.sampling.max_tokens)
     load_image = media.image_size if check_only else media.image
     images = [load_image(ref, f"image[{i}]") for i, ref in enumerate(image_refs)]
-    videos = [media.video(ref, f"video[{i}]", request.media_io_kwargs) for i, ref in enumerate(video_refs)]
+    convention = {"convention": adapter.frame_convention} if adapter is not None else {}
+    videos = [media.video(ref, f"video[{i}]", request.media_io_kwargs, **convention) for i, ref in enumerate(video_refs)]
     if adapter is None:
         return None
     if check_only:

@@ -17,6 +17,7 @@ from vlmbatch.media.fetch import FetchPolicy
 from vlmbatch.media.image import ImageSize, load_image, probe_image
 from vlmbatch.media.refs import DEFAULT_MAX_PIXELS, MediaContext
 from vlmbatch.media.types import VideoFrames
+from vlmbatch.media.video.sampling import QWEN2_5_VL, FrameConvention
 
 IMAGE_OPTIONS = {"max_pixels"}
 
@@ -81,7 +82,9 @@ class MediaLoader:
         """Header-level check for dry runs (see `probe_image`)."""
         return probe_image(ref, self.image_context, param)
 
-    def video(self, ref: Any, param: str = "video", overrides: dict[str, Any] | None = None) -> VideoFrames:
+    def video(self, ref: Any, param: str = "video", overrides: dict[str, Any] | None = None,
+              convention: FrameConvention = QWEN2_5_VL) -> VideoFrames:
+        """The frames of `ref` that the sampler picks under the model family's `convention`."""
         from vlmbatch.media.video import load_video, override_video_options
 
         options = self.video_options
@@ -91,7 +94,7 @@ class MediaLoader:
                 raise RowError(ErrorType.INVALID_ROW, f"unknown media kind(s) {sorted(unknown)} in media_io_kwargs", "media_io_kwargs")
             options = override_video_options(options, overrides.get("video"))
         try:
-            return load_video(ref, options, self.video_context)
+            return load_video(ref, options, self.video_context, convention)
         except RowError as error:
             error.param = error.param or param
             raise

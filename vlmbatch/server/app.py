@@ -99,7 +99,7 @@ def create_app(adapter: ModelAdapter, engine: Engine, settings: ServerSettings) 
     """
     require_chat_template(adapter)
     try:
-        media = ServerMedia(settings)
+        media = ServerMedia(settings, adapter.frame_convention)
     except ValueError as exc:
         raise JobError(str(exc)) from exc
     metrics = ServerMetrics(engine.load)

@@ -19,7 +19,7 @@ from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.media.image import load_image
 from vlmbatch.media.loader import MediaLoader
 from vlmbatch.media.refs import OBJECT_SCHEMES
-from vlmbatch.media.video import load_video, override_video_options
+from vlmbatch.media.video import QWEN2_5_VL, FrameConvention, load_video, override_video_options
 from vlmbatch.server.settings import ServerSettings
 
 # What a request may change for its own videos: how many frames, not which decoder or
@@ -44,9 +44,11 @@ def media_part_params(messages: list[dict[str, Any]]) -> dict[str, list[str]]:
 class ServerMedia:
     """Loads one request's media in parallel; each failure is a `RowError` naming its part."""
 
-    def __init__(self, settings: ServerSettings):
-        """Raises `ValueError` for bad `--media-io-kwargs` (the server must not start)."""
+    def __init__(self, settings: ServerSettings, convention: FrameConvention = QWEN2_5_VL):
+        """Raises `ValueError` for bad `--media-io-kwargs` (the server must not start).
+        `convention`: how the model family samples videos."""
         self._settings = settings
+        self._convention = convention
         unknown = set(settings.media_io_kwargs) - {"video"}
         if unknown:
             raise ValueError(f"--media-io-kwargs: unknown media kind(s) {sorted(unknown)}; only 'video' takes options")
@@ -123,7 +125,7 @@ class ServerMedia:
                 if kind == "image":
                     jobs.append((param, partial(load_image, ref, self._media.image_context, param)))
                 else:
-                    jobs.append((param, partial(load_video, ref, video_options, self._media.video_context)))
+                    jobs.append((param, partial(load_video, ref, video_options, self._media.video_context, self._convention)))
         if not jobs:
             return [], []
         loop = asyncio.get_running_loop()

@@ -95,7 +95,8 @@ def run_vllm_peer(model: Path, load_format: str, warmup: Workload, workloads: li
     (why vLLM could not be imported), `error`. `structured` ({"workload", "schema"}) times
     that workload once more under the schema, as "<workload>+schema"."""
     spec_path, result_path = workdir / "vllm-spec.json", workdir / "vllm-result.json"
-    spec = {"model": str(model), "load_format": load_format, "max_model_len": 4096,
+    longest = max(w.prompt_tokens + max(r.output_tokens for r in w.requests) for w in workloads)
+    spec = {"model": str(model), "load_format": load_format, "max_model_len": max(4096, longest),
             "gpu_memory_utilization": gpu_memory_utilization, "warmup": warmup.to_json(),
             "workloads": [w.to_json() for w in workloads], "structured": structured}
     spec_path.write_text(json.dumps(spec))

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from vlmbatch.families.adapter import ModelAdapter
-from vlmbatch.families.processor_adapter import ProcessorAdapter
+from vlmbatch.families.processor_adapter import ProcessorAdapter, sampled_video_inputs
 from vlmbatch.families.prompt import IMAGE, MediaItem
-from vlmbatch.families.qwen2_vl.adapter import _frames_device, _frames_input
 from vlmbatch.media.types import VideoFrames
 
 
@@ -39,14 +38,7 @@ class InternVLAdapter(ProcessorAdapter):
 
     def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
         """Frames as sampled: the video processor resizes each to one tile and samples nothing."""
-        if not videos:
-            return {}
-        arrays = [_frames_input(v) for v in videos]
-        kwargs: dict[str, Any] = {"videos": arrays, "do_sample_frames": False}
-        device = _frames_device(arrays)
-        if device is not None:
-            kwargs["videos_kwargs"] = {"device": device}
-        return kwargs
+        return sampled_video_inputs(videos) if videos else {}
 
     def _media(self, processed: dict[str, torch.Tensor], token_ids: list[int], prompt: str, images: list[Any],
                videos: list[VideoFrames], hashes: list[str]) -> list[MediaItem]:

@@ -24,43 +24,41 @@ CHAT_TEMPLATE = (
 )
 
 
-def processor() -> Any:
-    from transformers import CLIPImageProcessor, LlavaProcessor
+# OpenAI CLIP's pixel statistics, and the processor values of a CLIP tower whose CLS token
+# the "default" strategy drops (LLaVA-1.5 and LLaVA-NeXT alike).
+CLIP_PIXELS = dict(image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+CLIP_PROCESSOR = dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
 
+
+def llama_tokenizer() -> Any:
+    """The BPE with LLaMA's specials: `<s>` prepended, `</s>` ends, `<image>` the placeholder."""
     tokenizer = train_tokenizer(SPECIAL_TOKENS, add_bos="<s>")
     tokenizer.bos_token, tokenizer.eos_token = "<s>", "</s>"
     tokenizer.unk_token, tokenizer.pad_token = "<unk>", "<pad>"
+    return tokenizer
+
+
+def clip_vision_config(image_size: int) -> dict[str, Any]:
+    """A tiny CLIP tower of 14 px patches."""
+    return dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, image_size=image_size, patch_size=14, projection_dim=32)
+
+
+def processor() -> Any:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": 56},
-        crop_size={"height": 56, "width": 56},
-        do_center_crop=True,
-        image_mean=[0.48145466, 0.4578275, 0.40821073],
-        image_std=[0.26862954, 0.26130258, 0.27577711],
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}, do_center_crop=True, **CLIP_PIXELS
     )
-    return LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,  # CLIP's CLS token, dropped by the "default" strategy
-        chat_template=CHAT_TEMPLATE,
-    )
+    return LlavaProcessor(image_processor=image_processor, tokenizer=llama_tokenizer(), chat_template=CHAT_TEMPLATE,
+                          **CLIP_PROCESSOR)
 
 
 def config(tokenizer: Any) -> Any:
     from transformers import LlavaConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vision_config = dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=56,
-        patch_size=14,
-        projection_dim=32,
-    )
+    vision_config = clip_vision_config(56)
     text_config = dict(
         model_type="llama",
         vocab_size=padded_vocab(tokenizer),

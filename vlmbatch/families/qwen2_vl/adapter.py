@@ -17,25 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmbatch.families.processor_adapter import ProcessorAdapter
+from vlmbatch.families.processor_adapter import ProcessorAdapter, sampled_video_inputs
 from vlmbatch.families.prompt import IMAGE, VIDEO, MediaItem
 from vlmbatch.media.types import EncodedImage, VideoFrames
 
 # (kind, pixels key, grid key) of the processor's outputs, images before videos.
 _KINDS = ((IMAGE, "pixel_values", "image_grid_thw"), (VIDEO, "pixel_values_videos", "video_grid_thw"))
-
-
-def _frames_input(video: VideoFrames) -> np.ndarray | torch.Tensor:
-    """(T, H, W, 3) uint8 as the processor takes it: torch tensors stay tensors (on their
-    device), anything else becomes numpy."""
-    frames = video.frames
-    return frames if isinstance(frames, torch.Tensor) else np.asarray(frames)
-
-
-def _frames_device(arrays: list[np.ndarray | torch.Tensor]) -> torch.device | None:
-    """The GPU the videos should be processed on: that of the first frames not on the CPU
-    (a row's videos share one backend, so one device), else None (the CPU path)."""
-    return next((a.device for a in arrays if isinstance(a, torch.Tensor) and a.device.type != "cpu"), None)
 
 
 class Qwen2VLAdapter(ProcessorAdapter):
@@ -50,12 +37,8 @@ class Qwen2VLAdapter(ProcessorAdapter):
             return {}
         from transformers.video_utils import VideoMetadata
 
-        arrays = [_frames_input(v) for v in videos]
-        metadata = [VideoMetadata(**self._video_metadata(v, a)) for v, a in zip(videos, arrays)]
-        kwargs: dict[str, Any] = {"videos": arrays, "video_metadata": metadata, "do_sample_frames": False}
-        device = _frames_device(arrays)
-        if device is not None:  # videos only: a row's images keep the CPU path
-            kwargs["videos_kwargs"] = {"device": device}
+        kwargs = sampled_video_inputs(videos)
+        kwargs["video_metadata"] = [VideoMetadata(**self._video_metadata(v, a)) for v, a in zip(videos, kwargs["videos"])]
         if getattr(self.processor.video_processor, "cap_pixels_per_frame", False) is None:
             # transformers >= 5.20 asks us to choose: take qwen-vl-utils' bounded per-frame pixels.
             kwargs["cap_pixels_per_frame"] = True
