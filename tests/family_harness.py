@@ -16,6 +16,19 @@ import pytest
 from engine_harness import make_image
 
 
+def load_family(arch: str, tiny_model_dir) -> tuple[str, Any, Any]:
+    """(arch, adapter, fp32 transformers model on the CPU) of a tiny checkpoint, with one
+    torch thread (the parity tests compare token for token, other tests share the cores)."""
+    import torch
+
+    from vlmbatch.engine.loading import load_hf_model
+    from vlmbatch.families.registry import load_adapter
+
+    torch.set_num_threads(1)
+    path = str(tiny_model_dir(arch))
+    return arch, load_adapter(path), load_hf_model(path, torch.float32, torch.device("cpu"))
+
+
 def make_media_folder(folder: Path) -> Path:
     """`h264_mp4.mp4` (3 s, 96x64, 8 fps), `odd.png` (97x61) and `corrupt.png` in `folder`."""
     from vlmbatch.testing.videos import ffmpeg_available, make_video as make_video_file

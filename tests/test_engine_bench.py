@@ -12,8 +12,9 @@ from vlmbatch.bench.roofline import decode_step_cost
 from vlmbatch.bench.timing import RunResult
 
 
-def _bench_engine(tmp_path, *flags: str):
-    """`vlmbatch bench engine` on the tiny shape, W1 only, 4 requests; (CLI result, report)."""
+def _bench_engine(tmp_path, *flags: str, shape: str = "tiny"):
+    """`vlmbatch bench engine` on a tiny shape, W1 only, 4 requests (`flags` come last and
+    win); (CLI result, report)."""
     from vlmbatch.cli.commands import app
 
     out = tmp_path / "engine.json"
@@ -21,7 +22,7 @@ def _bench_engine(tmp_path, *flags: str):
     torch.set_num_threads(1)
     try:
         result = CliRunner().invoke(app, [
-            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "4", "--workloads", "w1",
+            "bench", "engine", "--model-shape", shape, "--device", "cpu", "--requests", "4", "--workloads", "w1",
             "--decode-batches", "2", "--extra-shapes", "", "--max-num-seqs", "4", "--max-num-batched-tokens", "600",
             "--backends", "torch", "--json", str(out), *flags,
         ])
@@ -137,22 +138,10 @@ def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_we
     (requantizing a round-tripped weight gives back its fp8 values; MoE experts included);
     the reported bound is the FP8 one used on the GPU."""
     from vlmbatch.bench.fp8 import FP8_MIN_BOUND
-    from vlmbatch.cli.commands import app
 
-    out = tmp_path / "engine.json"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        result = CliRunner().invoke(app, [
-            "bench", "engine", "--model-shape", shape, "--device", "cpu", "--requests", "2", "--peer", "",
-            "--workloads", "w1", "--check-prompts", "2", "--decode-steps", "4", "--decode-batches", "2", "--extra-shapes", "",
-            "--max-num-seqs", "4", "--max-num-batched-tokens", "600", "--backends", "torch", "--quantization", quantization,
-            "--json", str(out),
-        ])
-    finally:
-        torch.set_num_threads(threads)
-    assert result.exit_code == 0, result.output
-    correctness = json.loads(out.read_text())["correctness"]
+    _, report = _bench_engine(tmp_path, "--requests", "2", "--peer", "", "--check-prompts", "2", "--decode-steps", "4",
+                              "--quantization", quantization, shape=shape)
+    correctness = report["correctness"]
     assert correctness["bound_max_rel_err"] == FP8_MIN_BOUND
     assert correctness["backends"]["torch"]["max_rel_err"] < 1e-4 and correctness["backends"]["torch"]["top1_agreement"] == 1.0
 
@@ -160,22 +149,9 @@ def test_bench_engine_with_online_fp8_checks_logits_against_the_round_tripped_we
 def test_bench_engine_dummy_load_reports_the_kv_cache_left_and_checks_a_cut_model(tmp_path):
     """`--load-format dummy` (the 72B path): no transformers copy of the model, so no
     generate() peer; the logits are checked on the shape cut to --reference-layers."""
-    from vlmbatch.cli.commands import app
-
-    out = tmp_path / "engine.json"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        result = CliRunner().invoke(app, [
-            "bench", "engine", "--model-shape", "tiny", "--device", "cpu", "--requests", "2", "--peer", "hf",
-            "--workloads", "w1", "--check-prompts", "1", "--decode-steps", "2", "--decode-batches", "1", "--extra-shapes", "",
-            "--max-num-seqs", "4", "--max-num-batched-tokens", "600", "--backends", "torch", "--quantization", "fp8",
-            "--load-format", "dummy", "--reference-layers", "1", "--json", str(out),
-        ])
-    finally:
-        torch.set_num_threads(threads)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    result, report = _bench_engine(tmp_path, "--requests", "2", "--peer", "hf", "--check-prompts", "1", "--decode-steps", "2",
+                                   "--decode-batches", "1", "--quantization", "fp8", "--load-format", "dummy",
+                                   "--reference-layers", "1")
     assert report["peers"]["hf"]["status"] == "skipped" and report["correctness"]["reference_layers"] == 1
     assert report["memory"]["kv_blocks"] > 0 and report["memory"]["decoder_weights_gib"] > 0
     assert "KV cache" in result.output and {r["engine"] for r in report["runs"]} == {"paged"}

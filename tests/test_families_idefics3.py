@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import assert_greedy_matches_transformers, build_requests, make_image, make_video
-from family_harness import ask, make_media_folder, media_parts, run_job, served_client
+from family_harness import ask, load_family, make_media_folder, media_parts, run_job, served_client
 
 from vlmbatch.config import EngineConfig
-from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.families.registry import load_adapter
@@ -28,9 +27,7 @@ ARCHS = ["idefics3", "smolvlm"]
 
 @pytest.fixture(scope="module", params=ARCHS)
 def idefics3(request, tiny_model_dir):
-    torch.set_num_threads(1)
-    path = str(tiny_model_dir(request.param))
-    return request.param, load_adapter(path), load_hf_model(path, torch.float32, torch.device("cpu"))
+    return load_family(request.param, tiny_model_dir)
 
 
 def _check_mixed_requests(arch, adapter, hf_model, count: int, seed: int) -> None:

@@ -9,23 +9,18 @@ encoder-cache hits all happen; the engine's counters prove they did.
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_harness import assert_greedy_matches_transformers, build_requests, make_video, qwen_prompt
-from family_harness import ask, make_media_folder, media_parts, run_job, served_client
+from family_harness import ask, load_family, make_media_folder, media_parts, run_job, served_client
 
 from vlmbatch.config import EngineConfig
-from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.engine.paged import PagedEngine
-from vlmbatch.families.registry import load_adapter
 
 ODD_WIDTHS, ODD_HEIGHTS = (37, 64, 97, 131, 200), (29, 56, 61, 150)
 
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
 def qwen3(request, tiny_model_dir):
-    torch.set_num_threads(1)
-    path = str(tiny_model_dir(request.param))
-    return load_adapter(path), load_hf_model(path, torch.float32, torch.device("cpu"))
+    return load_family(request.param, tiny_model_dir)[1:]
 
 
 def test_fifty_mixed_requests_match_transformers(qwen3):

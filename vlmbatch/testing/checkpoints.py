@@ -36,6 +36,19 @@ TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, 
 _BPE_VOCAB_SIZE = 600  # learned tokens; specials come first, so ids are small and fixed
 
 
+# How every ChatML chat template ends (Qwen's, InternVL's, OneVision's): the turn closes,
+# then the assistant's turn opens when asked.
+CHATML_TURN_END = ("{{ '<|im_end|>\\n' }}{%- endfor -%}"
+                   "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+def chatml_tokenizer(special_tokens: list[str]):
+    """`train_tokenizer` with ChatML's end-of-turn and padding tokens, no BOS."""
+    tokenizer = train_tokenizer(special_tokens, add_bos=None)
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    return tokenizer
+
+
 def train_tokenizer(special_tokens: list[str], add_bos: str | None):
     """A byte-level BPE trained on `CORPUS`, wrapped as a transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

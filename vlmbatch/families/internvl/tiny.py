@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
+from vlmbatch.testing.checkpoints import CHATML_TURN_END, TINY_DECODER, chatml_tokenizer, padded_vocab, save_checkpoint
 
 LANGUAGE_MODELS = ("qwen2", "qwen3")  # InternVL3, InternVL3.5
 # Named tokens the InternVL processor reads from its tokenizer (`tokenizer.context_image_token` ...).
@@ -35,17 +35,14 @@ CHAT_TEMPLATE = (
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    + CHATML_TURN_END
 )
 
 
 def processor() -> Any:
     from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
 
-    tokenizer = train_tokenizer(SPECIAL_TOKENS, add_bos=None)
-    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    tokenizer = chatml_tokenizer(SPECIAL_TOKENS)
     tokenizer._set_model_specific_special_tokens(MEDIA_TOKENS)  # saved as tokenizer_config.json "extra_special_tokens"
     pixels = dict(size={"height": TILE, "width": TILE}, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
     return InternVLProcessor(

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.families.llava_next.tiny import text_config
-from vlmbatch.testing.checkpoints import save_checkpoint, train_tokenizer
+from vlmbatch.testing.checkpoints import CHATML_TURN_END, chatml_tokenizer, save_checkpoint
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 TILE, PATCH = 32, 8  # 4x4 patches per tile
@@ -27,17 +27,14 @@ CHAT_TEMPLATE = (
     "{%- for part in message['content'] if part['type'] == 'video' -%}{{ '<video>' }}{%- endfor -%}"
     "{%- for part in message['content'] if part['type'] == 'text' -%}{{ '\\n' + part['text'] }}{%- endfor -%}"
     "{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    + CHATML_TURN_END
 )
 
 
 def processor() -> Any:
     from transformers import LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor
 
-    tokenizer = train_tokenizer(SPECIAL_TOKENS, add_bos=None)
-    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    tokenizer = chatml_tokenizer(SPECIAL_TOKENS)
     pixels = dict(size={"height": TILE, "width": TILE}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     return LlavaOnevisionProcessor(
         image_processor=LlavaOnevisionImageProcessor(image_grid_pinpoints=PINPOINTS, **pixels),

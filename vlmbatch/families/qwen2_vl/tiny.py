@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
+from vlmbatch.testing.checkpoints import CHATML_TURN_END, TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -35,9 +35,7 @@ CHAT_TEMPLATE = (
     "{%- elif part['type'] == 'video' -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    + CHATML_TURN_END
 )
 
 def processor(processor_cls: Any) -> Any:
