@@ -141,9 +141,11 @@ def image_prompt_tokens(adapter, image_side: int = IMAGE_SIDE) -> int:
 
 
 def workload_prompt_tokens(adapter, image_side: int = IMAGE_SIDE, prompt_tokens: int = PROMPT_TOKENS) -> int:
-    """A workload prompt's length on `adapter`'s model: `prompt_tokens`, or the image plus
-    `MIN_TEXT_TOKENS` words where the image alone leaves fewer."""
-    return max(prompt_tokens, image_prompt_tokens(adapter, image_side) + MIN_TEXT_TOKENS)
+    """A workload prompt's length on `adapter`'s model: `prompt_tokens` wherever the image
+    leaves room for words, else the image plus `MIN_TEXT_TOKENS` words (LLaVA-NeXT's and
+    OneVision's tiled 448x448 image alone is thousands of tokens)."""
+    image = image_prompt_tokens(adapter, image_side)
+    return prompt_tokens if image < prompt_tokens else image + MIN_TEXT_TOKENS
 
 
 def build_workload(name: str, adapter, count: int, seed: int, image_side: int = IMAGE_SIDE,
