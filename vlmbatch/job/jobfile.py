@@ -113,6 +113,9 @@ KEYS: dict[str, tuple[str, Callable[[Any, str, Path], Any]]] = {
     "engine.device": ("device", _text),
     "engine.gpu_image_decode": ("gpu_image_decode", _text),
     "engine.attention_backend": ("attention_backend", _text),
+    "engine.quantization": ("quantization", _text),
+    "engine.quantize_vision": ("quantize_vision", _flag),
+    "engine.kv_cache_dtype": ("kv_cache_dtype", _text),
     "storage_options": ("storage_options", _json_object),
 }
 _SECTIONS = frozenset(key.split(".")[0] for key in KEYS if "." in key)
