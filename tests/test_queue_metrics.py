@@ -21,8 +21,6 @@ from vlmbatch.config import QueueConfig
 from vlmbatch.workers.app import SHARD_TASK, make_app
 from vlmbatch.workers.local import free_port
 
-pytestmark = pytest.mark.slow
-
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float] | None:
     """(name, labels) → value, parsed by prometheus-client's own parser; None while not up."""

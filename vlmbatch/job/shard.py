@@ -227,7 +227,8 @@ def run_shard(
         if on_progress:
             on_progress(1 if ok else 0, 0 if ok else 1)
         if on_row:
-            on_row(row)
+            for result in rows:
+                on_row(result)
 
     with closing(prepared):  # an early stop (cancel) shuts the preprocessing workers down
         if llm is None:
