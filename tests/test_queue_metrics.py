@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import pytest
 import queue_harness as qh
 from prometheus_client.parser import text_string_to_metric_families
 from queue_harness import redis_server, start_worker  # noqa: F401  (fixtures)
