@@ -265,7 +265,7 @@ def test_fp8_kernels_compile_for_hopper():
     strides = ("stride_q_seq stride_q_head stride_k_block stride_k_slot stride_k_head stride_v_block stride_v_slot stride_v_head "
                "stride_bt_seq stride_o_seq stride_o_head stride_o_split stride_lse_seq stride_lse_head")  # fmt: skip
     decode = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
-              "out_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32", **dict.fromkeys(strides.split(), "i32")}  # fmt: skip
+              "out_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32", "window": "i32", **dict.fromkeys(strides.split(), "i32")}  # fmt: skip
     ptx = build(_decode_split_kernel, decode, dict(GROUP_SIZE=8, PAGE_SIZE=256, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
                                                    STORE_LSE=True, PDL=False), num_warps=4)  # fmt: skip
     assert "mma" in ptx  # the e4m3 K/V tiles are converted to bf16 and go to the tensor cores
