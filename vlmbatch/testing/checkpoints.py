@@ -49,6 +49,11 @@ def chatml_tokenizer(special_tokens: list[str]):
     return tokenizer
 
 
+def token_id_fields(ids: dict[str, int], bos: str, eos: str, pad: str) -> dict[str, int]:
+    """A text config's `bos/eos/pad_token_id`, from the tokenizer's special tokens."""
+    return {"bos_token_id": ids[bos], "eos_token_id": ids[eos], "pad_token_id": ids[pad]}
+
+
 def train_tokenizer(special_tokens: list[str], add_bos: str | None):
     """A byte-level BPE trained on `CORPUS`, wrapped as a transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

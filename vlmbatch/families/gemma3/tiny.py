@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
+from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, token_id_fields, train_tokenizer
 
 BOI, EOI, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", BOI, EOI, IMAGE_TOKEN]
@@ -86,9 +86,7 @@ def config(tokenizer: Any) -> Any:
         },
         final_logit_softcapping=30.0,
         max_position_embeddings=2048,
-        bos_token_id=ids["<bos>"],
-        eos_token_id=ids["<eos>"],
-        pad_token_id=ids["<pad>"],
+        **token_id_fields(ids, "<bos>", "<eos>", "<pad>"),
     )
     return Gemma3Config(
         vision_config=vision_config, text_config=text_config, mm_tokens_per_image=TOKENS_PER_IMAGE,

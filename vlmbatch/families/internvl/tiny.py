@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.testing.checkpoints import CHATML_TURN_END, TINY_DECODER, chatml_tokenizer, padded_vocab, save_checkpoint
+from vlmbatch.testing.checkpoints import CHATML_TURN_END, TINY_DECODER, chatml_tokenizer, padded_vocab, save_checkpoint, token_id_fields
 
 LANGUAGE_MODELS = ("qwen2", "qwen3")  # InternVL3, InternVL3.5
 # Named tokens the InternVL processor reads from its tokenizer (`tokenizer.context_image_token` ...).
@@ -67,9 +67,7 @@ def config(tokenizer: Any, language_model: str = "qwen2") -> Any:
         num_key_value_heads=2,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
+        **token_id_fields(ids, "<|endoftext|>", "<|im_end|>", "<|endoftext|>"),
         tie_word_embeddings=False,
     )
     if language_model == "qwen3":

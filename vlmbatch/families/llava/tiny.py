@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
+from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, token_id_fields, train_tokenizer
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 
@@ -65,9 +65,7 @@ def config(tokenizer: Any) -> Any:
         **TINY_DECODER,
         num_key_value_heads=4,
         max_position_embeddings=2048,
-        bos_token_id=ids["<s>"],
-        eos_token_id=ids["</s>"],
-        pad_token_id=ids["<pad>"],
+        **token_id_fields(ids, "<s>", "</s>", "<pad>"),
     )
     return LlavaConfig(
         vision_config=vision_config,

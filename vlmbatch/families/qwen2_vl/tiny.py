@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.testing.checkpoints import CHATML_TURN_END, TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
+from vlmbatch.testing.checkpoints import CHATML_TURN_END, TINY_DECODER, padded_vocab, save_checkpoint, token_id_fields, train_tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -64,9 +64,7 @@ def config_parts(tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         num_key_value_heads=2,  # GQA, as in the released models
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
+        **token_id_fields(ids, "<|endoftext|>", "<|im_end|>", "<|endoftext|>"),
         tie_word_embeddings=False,
     )
     return text_config, media_token_config(ids)

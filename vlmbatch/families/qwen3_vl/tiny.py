@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.families.qwen2_vl.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, media_token_config
-from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, train_tokenizer
+from vlmbatch.testing.checkpoints import TINY_DECODER, padded_vocab, save_checkpoint, token_id_fields, train_tokenizer
 
 # Few pixels so an image costs 4..64 tokens after the 2x2 merge of 16 px patches.
 _SIZE = {"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}
@@ -43,9 +43,7 @@ def config_parts(tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any], dict[s
         max_position_embeddings=4096,
         # head_dim 16: 8 frequency bands, interleaved t/h/w as in the released models
         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
+        **token_id_fields(ids, "<|endoftext|>", "<|im_end|>", "<|endoftext|>"),
         tie_word_embeddings=False,
     )
     vision_config = dict(
