@@ -125,3 +125,11 @@ def test_llava_folders_tile_a_448_image_as_the_published_models_do(tmp_path, nam
     adapter = load_adapter(str(path))
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == tokens
     assert build_workload("w1", adapter, 2, seed=1).prompt_tokens == tokens + MIN_TEXT_TOKENS
+
+
+def test_the_model_shape_help_names_every_shape():
+    """`--model-shape`'s help is written by hand (the CLI must not import torch to print it): it must not go stale."""
+    from vlmbatch.cli.bench_options import model_shape_option
+
+    help_text = model_shape_option().help
+    assert [name for name in SHAPES if name not in help_text] == []
