@@ -10,6 +10,7 @@ processor's own expansion and the model's own `generate()`.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -55,6 +56,19 @@ def test_mixed_requests_match_transformers(gemma3):
 def test_fifty_mixed_requests_match_transformers(gemma3):
     adapter, hf_model = gemma3
     assert_matches_transformers(adapter, hf_model, 50, seed=5)
+
+
+def test_rotary_tables_are_made_where_the_model_is(gemma3):
+    """Our rotary tables are plain attributes (`.to()` leaves them): they must start on the
+    device of transformers' buffers, or a GPU decoder multiplies CUDA positions by CPU tables
+    (seen on the H200). A rotary module on "meta" stands in for one on the GPU."""
+    from vlmbatch.families.gemma3.model import Gemma3Model
+
+    _, hf_model = gemma3
+    hf_rotary = copy.deepcopy(hf_model.model.language_model.rotary_emb).to("meta")
+    rotaries = Gemma3Model.rotary_embeddings(hf_rotary, hf_model.config.text_config)
+    assert set(rotaries) == {"full_attention", "sliding_attention"}
+    assert {r.inv_freq.device.type for r in rotaries.values()} == {"meta"}
 
 
 def test_a_chunk_that_would_end_inside_an_image_stops_before_it(gemma3):

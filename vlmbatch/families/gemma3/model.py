@@ -51,14 +51,16 @@ class Gemma3Model(VisionLanguageModel):
     def rotary_embeddings(cls, hf_rotary: nn.Module, text_config: Any) -> dict[str, RotaryEmbedding]:
         """One per layer type (local base for sliding layers, global base and scaling for
         full ones), recomputed in fp32 by transformers' own rope functions: a bf16 model
-        may hold rounded buffers."""
+        may hold rounded buffers. They are made where transformers' own buffers are (the GPU
+        in production): our tables are plain attributes, which `.to()` does not move."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        device = next(hf_rotary.buffers()).device
         out = {}
         for kind in sorted(set(text_config.layer_types)):
             rope_type = hf_rotary.rope_type[kind]
             init = hf_rotary.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
-            inv_freq, scaling = init(text_config, None, layer_type=kind)
+            inv_freq, scaling = init(text_config, device, layer_type=kind)
             out[kind] = RotaryEmbedding(inv_freq, float(scaling))
         return out
 
