@@ -48,7 +48,7 @@ def bench_engine(
                                              "with the mask's cost per step at --mask-batches."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="As --structured, with the JSON schema in this file."),
     mask_batches: str = typer.Option("64,256", "--mask-batches", help="Batch sizes of the mask-per-step measurement (with a schema)."),
-    grammar_fill_threads: int = typer.Option(1, "--grammar-fill-threads", min=1, help="Threads filling one step's masks (the engine option)."),
+    grammar_fill_threads: int = typer.Option(0, "--grammar-fill-threads", min=0, help="Threads filling one step's masks (the engine option; 0 = auto: half the cores, at most 8)."),
     quantization: str = typer.Option("none", "--quantization", help="fp8 (per channel, dynamic per token) or fp8-block (128x128 "
                                      "blocks, 1x128 activation groups): our engine quantizes the language model online, vLLM runs a dummy "
                                      "checkpoint of the same published format, and the logits are checked against fp32 transformers on the "

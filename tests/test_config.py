@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vlmbatch.config import (
@@ -90,3 +92,11 @@ def test_every_option_is_documented_with_its_variable() -> None:
             assert help_text, f"{cls.__name__}.{name} has no help"
             assert variable is None or variable.startswith("VLMBATCH_"), variable
     assert ("image_fetch_timeout", "VLMBATCH_IMAGE_FETCH_TIMEOUT", 10.0) == describe(MediaConfig)[0][:3]
+
+
+def test_mask_fill_threads_auto_takes_half_the_cores_at_most_eight() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert EngineConfig.from_env({}).mask_fill_threads == max(1, min(8, cores // 2))
+    assert EngineConfig.from_env({"VLMBATCH_GRAMMAR_FILL_THREADS": "3"}).mask_fill_threads == 3
+    with pytest.raises(ConfigError, match="grammar_fill_threads"):
+        EngineConfig.from_env({"VLMBATCH_GRAMMAR_FILL_THREADS": "-1"})

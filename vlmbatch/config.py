@@ -12,6 +12,7 @@ file) is an error that names it, never silently dropped.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Self, TypeVar
@@ -174,8 +175,9 @@ class EngineConfig(Options):
     pdl: bool = option(True, "VLMBATCH_PDL", help="programmatic dependent launch in small decode graphs (Hopper+)")
     gpu_image_decode: str = option("auto", "VLMBATCH_GPU_IMAGE_DECODE", parse=_lower, choices=GPU_IMAGE_DECODE,
                                    help="JPEGs decoded by nvJPEG in the engine process (auto: paged engine on CUDA)")
-    grammar_fill_threads: int = option(1, "VLMBATCH_GRAMMAR_FILL_THREADS",
-                                       help="threads filling one step's structured-output masks (xgrammar's batch fill, GIL released)")
+    grammar_fill_threads: int = option(0, "VLMBATCH_GRAMMAR_FILL_THREADS",
+                                       help="threads filling one step's structured-output masks (xgrammar's batch fill, GIL "
+                                            "released); 0 = auto: half this process's cores, at most 8")
     quantization: str = option("none", "VLMBATCH_QUANTIZATION", parse=_lower, choices=QUANTIZATION,
                                help="fp8: quantize the language model's weights at load (per channel, dynamic per-token "
                                     "activations); fp8-block: in 128x128 blocks (1x128 activation groups), as Qwen's -FP8 "
@@ -193,6 +195,17 @@ class EngineConfig(Options):
         _check_choices(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.grammar_fill_threads < 0:
+            raise ConfigError(f"grammar_fill_threads must be 0 (auto) or more, got {self.grammar_fill_threads!r}")
+
+    @property
+    def mask_fill_threads(self) -> int:
+        """`grammar_fill_threads` with auto resolved. On the H200 host (16 cores) 8 threads took
+        W1 under a six-field schema from 80.6% to 90.6% of W1 (BENCHMARKS.md, session 7); on 2
+        shared cores threads gave no consistent gain, so auto leaves half the cores free."""
+        if self.grammar_fill_threads:
+            return self.grammar_fill_threads
+        return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
     def updated(self, **overrides: Any) -> "EngineConfig":
         """A copy with the non-None `overrides`; an unknown name is a `ConfigError`."""

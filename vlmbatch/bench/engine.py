@@ -73,7 +73,7 @@ class BenchOptions:
     device: str = "auto"
     structured_schema: dict[str, Any] | None = None  # W1 again under this JSON schema ("w1+schema")
     mask_batches: tuple[int, ...] = (64, 256)  # batch sizes the mask's cost per step is measured at
-    grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads of the timed engine
+    grammar_fill_threads: int = 0  # EngineConfig.grammar_fill_threads of the timed engine (0: auto)
     # fp8 / fp8-block: online FP8 on our engine, per channel or in 128x128 blocks (the logit
     # reference holds the round-tripped weights; vLLM gets the same format as a dummy checkpoint)
     quantization: str = "none"

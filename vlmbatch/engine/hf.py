@@ -184,7 +184,7 @@ class HFEngine(Engine):
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
         self.structured = StructuredDecoding(self.tokenizer, model.get_output_embeddings().weight.shape[0],
                                              list(adapter.eos_token_ids), self.device, self.max_batch_size,
-                                             config.grammar_fill_threads)
+                                             config.mask_fill_threads)
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
 
     def add_request(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams) -> None:

@@ -135,7 +135,7 @@ class PagedEngine(Engine):
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
         self.structured = StructuredDecoding(self.tokenizer, self.model.decoder.embed_tokens.num_embeddings,
-                                             list(adapter.eos_token_ids), device, max_num_seqs, config.grammar_fill_threads)
+                                             list(adapter.eos_token_ids), device, max_num_seqs, config.mask_fill_threads)
         self._compiling: list[Sequence] = []  # constrained sequences whose grammar is still compiling
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self._unforked: dict[str, list[Sequence]] = {}  # request id -> samples waiting for the first's prompt
