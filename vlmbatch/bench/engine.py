@@ -33,7 +33,7 @@ from vlmbatch.bench.peers.hf import run_hf_peer
 from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
-from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model, vllm_model_folder
+from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model, simulate_fp8_activations, vllm_model_folder
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
 from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, use_full_size_vocab, warm_compile
 from vlmbatch.bench.timing import RunResult, run_engine
@@ -213,11 +213,8 @@ def _reduced_correctness(shape: ModelShape, options: BenchOptions, workdir: Path
     folder = write_model_folder(cut, workdir)
     adapter = load_adapter(str(folder))
     hf_model = random_hf_model(folder, dtype, device)
-    fp8 = options.quantization != "none"
-    if fp8:
-        round_trip_language_model(hf_model, options.quantization)
     reference = logit_reference(hf_model, adapter, options.check_prompts, options.decode_steps, device,
-                                min_bound=FP8_MIN_BOUND if fp8 else None)
+                                min_bound=_fp8_reference(hf_model, options, device))
     engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs, load_format="auto")
     del hf_model
     correctness = check_backends(engine, reference, list(options.backends) or available_backends(device), ceilings)
@@ -225,6 +222,19 @@ def _reduced_correctness(shape: ModelShape, options: BenchOptions, workdir: Path
     del engine
     free_memory(device)
     return correctness
+
+
+def _fp8_reference(hf_model: torch.nn.Module, options: BenchOptions, device: torch.device) -> float | None:
+    """Make `hf_model` the logit reference of our FP8 engine: the weights it will run (round
+    tripped), and on the GPU, where our layers quantize activations, their inputs rounded
+    too. Returns the bound's floor: none where the reference then computes our function,
+    else `FP8_MIN_BOUND` (MoE experts, an FP8 KV cache). On the CPU our engine runs the
+    dequantized weights on unrounded inputs, so the reference rounds none either."""
+    exact = options.kv_cache_dtype != "fp8"
+    if options.quantization != "none":
+        round_trip_language_model(hf_model, options.quantization)
+        exact = exact and device.type == "cuda" and simulate_fp8_activations(hf_model, options.quantization)
+    return None if exact else FP8_MIN_BOUND
 
 
 def _wait_for_memory(device: torch.device, free_before: int, timeout_s: float = 60.0) -> None:
@@ -296,11 +306,9 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
                                         workload.head(peer_counts[name]), batch_size, device, echo)
                     if result is not None:
                         record(result)
-        fp8 = options.quantization != "none"
-        if fp8 and hf_model is not None:  # the reference holds the weights our engine will run
-            round_trip_language_model(hf_model, options.quantization)
+        min_bound = _fp8_reference(hf_model, options, device) if hf_model is not None else None
         reference = None if options.reference_layers or dummy else logit_reference(
-            hf_model, adapter, options.check_prompts, options.decode_steps, device, min_bound=FP8_MIN_BOUND if fp8 else None)
+            hf_model, adapter, options.check_prompts, options.decode_steps, device, min_bound=min_bound)
         engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
         memory = report["memory"] = adapt.memory_summary(engine)

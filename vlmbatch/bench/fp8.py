@@ -24,10 +24,13 @@ from vlmbatch.testing.fp8_checkpoints import quantization_config
 FP8_ROWS = (1, 16, 64, 256, 2048)
 
 # Logit bound of FP8 (w8a8 e4m3) against fp32 transformers on the same (round-tripped)
-# weights: the weights are then exact, but every linear layer's input is rounded to e4m3
-# (3 mantissa bits: relative error up to 2^-4, ~2^-4/sqrt(12) ≈ 1.8% RMS per element),
-# which bf16 (2^-9) is 32x finer than; the bf16 floor of 2e-2 times that margin, capped,
-# gives 0.15 of relative L2 per position (measured figures in docs/engine.md).
+# weights where the reference cannot round the activations as our kernels do (the MoE
+# experts' inner product): the weights are then exact, but every linear layer's input is
+# rounded to e4m3 (3 mantissa bits: relative error up to 2^-4, ~2^-4/sqrt(12) ≈ 1.8% RMS
+# per element), which bf16 (2^-9) is 32x finer than; the bf16 floor of 2e-2 times that
+# margin, capped, gives 0.15 of relative L2 per position. Where the reference rounds every
+# FP8 layer's input itself (`simulate_fp8_activations`), both compute the same function and
+# the bf16 rule applies.
 FP8_MIN_BOUND = 0.15
 
 
@@ -52,6 +55,28 @@ def round_trip_language_model(hf_model: torch.nn.Module, quantization: str) -> i
                 down.copy_(round_trip(down))
             count += 1
     return count
+
+
+def simulate_fp8_activations(hf_model: torch.nn.Module, quantization: str) -> bool:
+    """Round the input of every decoder projection of `hf_model`'s language model to e4m3
+    as our FP8 layers do on the GPU (per token, or in 1x128 groups for `fp8-block`), in the
+    model's own precision, by forward pre-hooks: with `round_trip_language_model` the
+    reference then computes our engine's w8a8 function. True when that covers every FP8
+    layer; False when MoE experts (whose inner activation no hook reaches) are present."""
+    group = 128 if quantization == "fp8-block" else None
+
+    def rounded(module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        q, scales = quantize_fp8_ref(x.reshape(-1, x.shape[-1]), group)
+        return (dequantize_fp8_ref(q, scales).view(x.shape).to(x.dtype), *args[1:])
+
+    complete = True
+    for name, module in hf_model.model.language_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
+            module.register_forward_pre_hook(rounded)
+        elif name.endswith("mlp.experts"):
+            complete = False
+    return complete
 
 
 def vllm_model_folder(folder: Path, quantization: str) -> Path:

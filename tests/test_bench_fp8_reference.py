@@ -1,0 +1,39 @@
+"""The FP8 logit reference of `bench engine --quantization`: transformers' layers made to
+compute what our FP8 kernels compute (round-tripped weights, e4m3-rounded inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmbatch.bench.fp8 import round_trip_language_model, simulate_fp8_activations
+from vlmbatch.engine.loading import load_hf_model
+from vlmbatch.kernels.reference import fp8_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
+def test_a_simulated_projection_computes_the_fp8_kernels_function(tiny_model_dir, quantization):
+    """After the round trip and the input hooks, a decoder projection of the tiny model gives
+    exactly `fp8_gemm_ref` (the reference our Triton and cuBLAS FP8 GEMMs are tested against)
+    of the quantized input and weight, and not the unrounded product."""
+    hf_model = load_hf_model(str(tiny_model_dir("qwen2_5_vl")), torch.float32, torch.device("cpu"))
+    weight = hf_model.model.language_model.layers[0].mlp.down_proj.weight.detach().clone()
+    assert round_trip_language_model(hf_model, quantization) > 0
+    assert simulate_fp8_activations(hf_model, quantization) is True
+    projection = hf_model.model.language_model.layers[0].mlp.down_proj
+    x = torch.randn(5, projection.in_features, generator=torch.Generator().manual_seed(3))
+    group = 128 if quantization == "fp8-block" else None
+    w_q, w_s = quantize_fp8_blocks_ref(weight) if quantization == "fp8-block" else quantize_fp8_ref(weight, None)
+    x_q, x_s = quantize_fp8_ref(x, group)
+    expected = fp8_gemm_ref(x_q, x_s, w_q, w_s)
+    with torch.no_grad():
+        got = projection(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (got - x @ projection.weight.T).abs().max() > 1e-4  # the inputs really were rounded
+
+
+def test_moe_experts_are_reported_as_not_simulated(tiny_model_dir):
+    """The experts' inner activation is out of a hook's reach: the bench keeps the FP8 floor."""
+    hf_model = load_hf_model(str(tiny_model_dir("qwen3_vl_moe")), torch.float32, torch.device("cpu"))
+    round_trip_language_model(hf_model, "fp8-block")
+    assert simulate_fp8_activations(hf_model, "fp8-block") is False
