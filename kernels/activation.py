@@ -16,8 +16,8 @@ import triton.language as tl
 from .pdl import follow_previous, launch_options, pdl_launch
 
 _BLOCK = 1024
-_GELU_C = 0.7978845608028654  # sqrt(2 / pi)
-_TWO_LOG2_E = 2.8853900817779268  # 2 / ln(2)
+_GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi); a constexpr: compiled kernels may read no other globals
+_TWO_LOG2_E = tl.constexpr(2.8853900817779268)  # 2 / ln(2)
 
 
 @triton.jit
