@@ -3,6 +3,9 @@
 # .whl/ (transformers 5.24, to match the CPU machines) into /tmp/site, and vLLM 0.26 from the
 # parts earlier calls copied to /tmp/vparts/ (../shared/FACTS.md) into /tmp/site-vllm.
 # Usage there: source scripts/device-setup.sh   (then `vlmbatch bench ...`; see BENCHMARKS.md)
+# Beyond ../shared/tools/vllm-peer-wheels.txt, vLLM's structured outputs and FP8 checkpoints import
+# lm-format-enforcer 0.11.3, interegular 0.3.3, pyyaml, outlines_core 0.2.14, compressed-tensors 0.17.0
+# and loguru: download those (cp312 manylinux) into .vllm/small too.
 set -e
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 if ls .whl/*.whl >/dev/null 2>&1; then
