@@ -80,24 +80,36 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, pdl_max_rows: int = 
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Launch shape of `fp8_gemm` (BLOCK_K is the activation group for block weights)."""
+    """Launch shape of `fp8_gemm`. `block_k` applies to per-channel weights; block weights
+    always step by their activation group (128)."""
 
     block_m: int = 64
     block_n: int = 128
+    block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
 
 
 def default_config(rows: int) -> Fp8GemmConfig:
-    """Tiles by batch rows: a decode batch fills a 16- or 64-row tile, prefill 128. Few
-    rows: narrow 32-column strips, so that even a 2048-row projection spreads over 64
-    programs (no split of K: each program reads its strip of weights once). Untuned:
-    `vlmbatch bench kernels --sections fp8` is where better tiles would be found."""
-    if rows <= 16:
-        return Fp8GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=4)
+    """Tiles by batch rows. Up to 64 rows the product streams the weight (a decode step):
+    32-column strips as in the bf16 skinny GEMM (`skinny_gemm.SkinnyConfig`, swept on the
+    H200), so even a 2048-row projection spreads over 64 programs, and 256-byte K steps (the
+    128-column tiles of 2026-12-01 left a 2048-row projection 16 programs at 64 rows: FP8
+    decode ran at 26-29% of its roofline, slower than bf16). Prefill takes 128x128 tiles.
+    Not yet swept for FP8: `vlmbatch bench kernels --sections fp8` times these against
+    `FP8_DECODE_TILES`."""
     if rows <= 64:
-        return Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+        return decode_config(rows, block_n=32, block_k=256, num_warps=4)
     return Fp8GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+
+
+def decode_config(rows: int, block_n: int, block_k: int, num_warps: int) -> Fp8GemmConfig:
+    """A weight-streaming tile for at most 64 rows: the row tile follows the rows."""
+    return Fp8GemmConfig(block_m=16 if rows <= 16 else 64, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=4)
+
+
+# (block_n, block_k, num_warps) of the decode tiles the kernel benchmark times beside `default_config`.
+FP8_DECODE_TILES = ((32, 128, 4), (32, 512, 4), (64, 256, 4), (128, 128, 4), (64, 256, 8))
 
 
 @triton.jit
@@ -161,7 +173,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     if rows == 0:
         return out
     config = config or default_config(rows)
-    block_k = 128 if per_row else group
+    block_k = config.block_k if per_row else group
     pdl = pdl_launch(a_q, pdl_max_rows)
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(n, config.block_n),)
     _fp8_gemm_kernel[grid](

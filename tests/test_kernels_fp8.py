@@ -67,6 +67,21 @@ def test_kernel_fp8_gemm_matches_the_reference(rows, n, k, layout):
     assert (out - ref).norm() / ref.norm() < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 40])
+def test_every_decode_tile_the_benchmark_times_is_exact(rows):
+    """The tiles `bench kernels --sections fp8` times (K steps of 128..512, K not a
+    multiple of them) compute the same product, so the fastest can become the default."""
+    from vlmbatch.kernels.fp8 import FP8_DECODE_TILES, decode_config
+
+    w_q, w_s = _weights(96, 320, "channel")
+    a_q, a_s = quantize_fp8_ref(torch.randn(rows, 320, device=DEVICE), None)
+    ref = fp8_gemm_ref(a_q, a_s, w_q, w_s, out_dtype=torch.float32)
+    for tile in FP8_DECODE_TILES:
+        out = fp8_gemm(a_q, a_s, w_q, w_s, out_dtype=torch.float32, config=decode_config(rows, *tile))
+        assert (out - ref).norm() / ref.norm() < 1e-5, tile
+
+
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 64, 512])

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vlmbatch.kernels.fp8 import fp8_gemm, quantize_fp8, scaled_mm
+from vlmbatch.kernels.fp8 import FP8_DECODE_TILES, decode_config, fp8_gemm, quantize_fp8, scaled_mm
 from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 from vlmbatch.testing.fp8_checkpoints import quantization_config
 
@@ -118,6 +118,10 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
                 add("bf16 cublas", lambda w: F.linear(x, w), bf16, 2 * n * k)
                 add("fp8 block triton", lambda w: fp8_gemm(*quantize_fp8(x, 128), *w), block, n * k)
                 add("fp8 channel triton", lambda w: fp8_gemm(*quantize_fp8(x), *w), channel, n * k)
+                for tile in FP8_DECODE_TILES if num_rows <= 64 else ():
+                    config = decode_config(num_rows, *tile)
+                    add("fp8 channel triton bn{}/bk{}/w{}".format(*tile),
+                        lambda w, config=config: fp8_gemm(*quantize_fp8(x), *w, config=config), channel, n * k)
                 if n % 16 == 0 and k % 16 == 0:
                     add("fp8 channel cublas", lambda w: scaled_mm(*quantize_fp8(x), *w), channel, n * k)
             del bf16, block, channel
