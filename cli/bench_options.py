@@ -13,7 +13,7 @@ def model_shape_option(default: Any = "qwen2_5_vl_3b") -> Any:
         default, "--model-shape", "--shape",
         help="Model sizes with random weights, from published configs: qwen2_5_vl_3b (alias 3b), qwen2_5_vl_7b (7b), "
         "qwen2_5_vl_72b (72b), qwen3_vl_8b, qwen3_vl_30b_a3b, internvl3_8b, gemma3_12b, llava_next_7b, "
-        "llava_onevision_7b, smolvlm2_2b; tiny, tiny_qwen3_vl, tiny_qwen3_vl_moe, tiny_internvl, tiny_gemma3, "
+        "llava_onevision_7b, smolvlm2_2b, smolvlm2_2b_tiled; tiny, tiny_qwen3_vl, tiny_qwen3_vl_moe, tiny_internvl, tiny_gemma3, "
         "tiny_llava_next, tiny_llava_onevision, tiny_smolvlm for CPU smoke runs (vlmbatch/bench/shapes.py).",
     )
 

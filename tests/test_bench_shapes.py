@@ -133,3 +133,21 @@ def test_the_model_shape_help_names_every_shape():
 
     help_text = model_shape_option().help
     assert [name for name in SHAPES if name not in help_text] == []
+
+
+def test_smolvlm2_tiled_folder_splits_a_w1_image_as_the_published_processor_and_vllm_count_it(tmp_path):
+    """The vLLM-comparable shape: 4x4 tiles of 384 px plus the global image per 448x448
+    image, and transformers' patch count (what vLLM sizes pixel tensors by) agrees with it;
+    on the one-tile shape that count is 0, which is why vLLM cannot run that one."""
+    from transformers import AutoProcessor
+
+    from vlmbatch.families.registry import load_adapter
+
+    path = write_model_folder(resolve_shape("smolvlm2_2b_tiled"), tmp_path)
+    image_processor = AutoProcessor.from_pretrained(path).image_processor
+    assert image_processor.get_number_of_image_patches(448, 448, {})[0] == 17
+    assert image_processor([Image.new("RGB", (448, 448))], return_tensors="pt")["pixel_values"].shape[1] == 17
+    adapter = load_adapter(str(path))
+    assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) > 17 * 81
+    one_tile = write_model_folder(resolve_shape("smolvlm2_2b"), tmp_path / "one")
+    assert AutoProcessor.from_pretrained(one_tile).image_processor.get_number_of_image_patches(448, 448, {})[0] == 0

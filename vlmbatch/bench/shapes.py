@@ -86,6 +86,20 @@ _INTERNVL3_8B = dict(
 # 288-token prompt holds); W1 here bounds the longest edge to one tile, so a 448x448 image is
 # the global tile alone (84 tokens with its markers) on every engine.
 _SMOLVLM_IMAGE = {"size": {"longest_edge": 384}, "max_image_size": {"longest_edge": 384}}
+# vLLM 0.26 sizes each image's pixel tensors by the image processor's
+# `get_number_of_image_patches`, which in transformers 5.17-5.24 says 0 for an image that is
+# not split (the processor itself returns its one tile): on the one-tile shape vLLM's engine
+# dies at its first step (BENCHMARKS.md, session 7). The tiled shape is what it can run.
+_SMOLVLM_IMAGE_TILED = {"size": {"longest_edge": 1536}, "max_image_size": {"longest_edge": 384}}
+_SMOLVLM2_2B = dict(
+    text=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+              num_key_value_heads=32, head_dim=64, vocab_size=49280, max_position_embeddings=16384,
+              rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 273768.0},
+              tie_word_embeddings=False),
+    vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                patch_size=14, image_size=384),
+    top={"scale_factor": 3, "tie_word_embeddings": False}, processor={"image_seq_len": 81},
+)
 # Gemma 3: five sliding-window layers (window 1024, local RoPE base 1e4) per global one
 # (base 1e6, linear scaling 8); `layer_types` is this pattern, repeated to the depth.
 _GEMMA3_TEXT = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208, rms_norm_eps=1e-6,
@@ -163,17 +177,13 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                source="OpenGVLab/InternVL3-8B-hf config.json and processor"),
     ModelShape("tiny_smolvlm", "smolvlm", "SmolVLMForConditionalGeneration",
                source="the tiny SmolVLM test checkpoint's own sizes (CPU smoke runs)"),
-    ModelShape("smolvlm2_2b", "smolvlm", "SmolVLMForConditionalGeneration",
-               text=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                         num_key_value_heads=32, head_dim=64, vocab_size=49280, max_position_embeddings=16384,
-                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 273768.0},
-                         tie_word_embeddings=False),
-               vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                           patch_size=14, image_size=384),
-               top={"scale_factor": 3, "tie_word_embeddings": False}, image_processor=_SMOLVLM_IMAGE,
-               processor={"image_seq_len": 81},
+    ModelShape("smolvlm2_2b", "smolvlm", "SmolVLMForConditionalGeneration", **_SMOLVLM2_2B, image_processor=_SMOLVLM_IMAGE,
                source="HuggingFaceTB/SmolVLM2-2.2B-Instruct config.json (SmolVLM paper: SigLIP-SO400M + SmolLM2-1.7B, "
                       "RoPE base 273k, 16k context); W1's image bound above"),
+    ModelShape("smolvlm2_2b_tiled", "smolvlm", "SmolVLMForConditionalGeneration", **_SMOLVLM2_2B,
+               image_processor=_SMOLVLM_IMAGE_TILED,
+               source="as smolvlm2_2b, with the published image processor's 1536 px longest edge: 4x4 tiles + the global "
+                      "image per W1 image (the vLLM-comparable SmolVLM2 shape)"),
     ModelShape("tiny_gemma3", "gemma3", "Gemma3ForConditionalGeneration",
                source="the tiny Gemma 3 test checkpoint's own sizes (CPU smoke runs)"),
     ModelShape("gemma3_12b", "gemma3", "Gemma3ForConditionalGeneration",
