@@ -1,7 +1,7 @@
 """The fast engine: continuous batching over a paged KV cache with our own decoders.
 
-`PagedEngine.step()` = schedule (scheduler + block manager) → encode the media of newly
-admitted requests (vision tower, batched, cached by content) → one forward + sampling
+`PagedEngine.step()` = schedule (scheduler + block manager) → encode the media the
+step's prompts read (vision tower, batched, cached by content) → one forward + sampling
 (runner) → append tokens, detokenise incrementally, check EOS / stop strings / length.
 
 Decode steps are asynchronous (`EngineConfig.async_decode`; `VLMBATCH_ASYNC_DECODE=0` turns it off):
@@ -347,11 +347,17 @@ class PagedEngine(Engine):
             s.decode_wait_s += forward_s - launch_s
 
     def _encode_media(self, batch: ScheduledBatch) -> bool:
-        """Embed the media of sequences seen for the first time; True when the tower ran."""
-        pending = [s for s in batch.seqs if s.mm is not None and s.mm.embeds is None]
-        for seq, embeds in zip(pending, self.model.encode([s.mm.items for s in pending]) if pending else ()):
-            seq.mm.embeds = embeds
-        return bool(pending)
+        """Embed the media items this step's forward reads and the sequence does not hold:
+        those whose placeholders end after its computed tokens. The items inside a
+        prefix-cache hit are never read, so never encoded; a sequence preempted back to
+        fewer computed tokens gets the ones it now reads. True when the tower ran."""
+        needed = [(s.mm, s.num_computed_tokens, s.mm.missing(s.num_computed_tokens))
+                  for s in batch.seqs if s.mm is not None and s.num_computed_tokens < s.mm.embeds_from]
+        items = [[mm.items[i] for i in indices] for mm, _, indices in needed if indices]
+        rows = iter(self.model.encode(items) if items else ())
+        for mm, start, indices in needed:
+            mm.hold(indices, next(rows) if indices else None, start)
+        return bool(items)
 
     def _append(self, seq: Sequence, token: int) -> None:
         """The sampled token in place of the placeholder (asynchronous decoding) or after

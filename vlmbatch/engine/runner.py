@@ -170,7 +170,7 @@ class ModelRunner:
             if seq.mm is not None and seq.mm.embeds is not None and start < seq.num_prompt_tokens:
                 index = seq.mm.media_index[start : start + n]
                 at = (index >= 0).nonzero().squeeze(1)
-                media_rows.append(seq.mm.embeds[index[at]])
+                media_rows.append(seq.mm.embeds[seq.mm.embed_rows[index[at]]])
                 media_at.append(at + offset)
             offset += n
         embeds = self.decoder.embed_tokens(torch.tensor(ids).to(self.device, non_blocking=True))

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from vlmbatch.engine.outputs import TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
@@ -35,20 +38,43 @@ class MultimodalData:
     `items` are the media items in placeholder order and `token_spans` the (start, end)
     prompt positions each item's placeholder tokens occupy; the block manager mixes the
     content hashes of the items that overlap a block into its prefix-cache key.
-    `embeds` ([num_media_tokens, hidden], filled by the encoder on first schedule) and
-    `rope_delta` (M-RoPE: position of generated token i is i + rope_delta) live here
-    so that a preempted sequence can be recomputed without encoding again.
+    `embeds` holds the rows of just the items whose span ends after `embeds_from`: a
+    forward reads no others (those inside a prefix-cache hit are never encoded). They and
+    `rope_delta` (M-RoPE: position of generated token i is i + rope_delta) live here so
+    that a preempted sequence is recomputed without encoding again, unless it comes back
+    with fewer computed tokens than `embeds_from` (then `missing` names what it lacks).
     `bidirectional_spans` (Gemma 3) are the (start, end) runs of media tokens that attend
     to each other in prefill; the scheduler never ends a prompt chunk inside one.
     """
 
     items: list[Any]  # MediaItem
     token_spans: list[tuple[int, int]]
-    embeds: Any = None
-    media_index: Any = None  # int64 [num_prompt_tokens]: row of `embeds` for each media token, else -1
+    embeds: Any = None  # [rows of the held items, hidden * (1 + deepstack_levels)]
+    media_index: Any = None  # int64 [num_prompt_tokens]: media row (items' tokens in order) of each media token, else -1
+    embed_rows: Any = None  # int64 [num_media_tokens]: row of `embeds` for each media row, -1 for items not held
+    embeds_from: int = sys.maxsize  # every item whose span ends after this position is held (none yet)
     rope_positions: Any = None  # [3, num_prompt_tokens] for M-RoPE models
     rope_delta: int = 0
     bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def missing(self, start: int) -> list[int]:
+        """The items a forward from prompt position `start` reads (span ending after it) that are not held."""
+        return [i for i, (_, end) in enumerate(self.token_spans) if start < end <= self.embeds_from]
+
+    def hold(self, indices: list[int], rows: torch.Tensor | None, start: int) -> None:
+        """Hold `rows`, the embeddings of the items `indices` = `missing(start)` concatenated,
+        beside those held. New tensors, never written in place: forked samples share the old ones."""
+        if indices:
+            sizes = [item.num_tokens for item in self.items]
+            offsets = list(itertools.accumulate(sizes, initial=0))
+            held = 0 if self.embeds is None else len(self.embeds)
+            embed_rows = torch.full((offsets[-1],), -1) if self.embed_rows is None else self.embed_rows.clone()
+            for i in indices:
+                embed_rows[offsets[i] : offsets[i + 1]] = torch.arange(held, held + sizes[i])
+                held += sizes[i]
+            self.embeds = rows if self.embeds is None else torch.cat([self.embeds, rows])
+            self.embed_rows = embed_rows
+        self.embeds_from = start
 
 
 @dataclass(eq=False)  # identity: `seq in running` must not compare token lists field by field
