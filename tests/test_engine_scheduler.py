@@ -1,5 +1,7 @@
 """Scheduler: continuous batching, chunked prefill budget, preemption and resumption."""
 
+from types import SimpleNamespace
+
 from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import Scheduler
@@ -147,3 +149,39 @@ def test_chunks_never_end_inside_a_bidirectional_span():
     for chunk in chunks:
         start, n = chunk.get("img", (0, 0))
         assert not any(s < start + n < e for s, e in seq.mm.bidirectional_spans)
+
+
+def _image_prompt(request_id: str, image_hash: str, image_tokens: int = 16) -> Sequence:
+    """Two text tokens, the image, one text token: with 4-token blocks a repeat finds every
+    full block cached, the image's end among them only when the image ends by a block end."""
+    seq = Sequence(request_id, [1, 2] + [9] * image_tokens + [3], SamplingParams())
+    seq.mm = MultimodalData(items=[SimpleNamespace(num_tokens=image_tokens, content_hash=image_hash)],
+                            token_spans=[(2, 2 + image_tokens)])
+    return seq
+
+
+def test_a_step_encodes_at_most_its_token_budget_of_media_when_prompts_are_mostly_cached():
+    """A repeat of image prompts costs 3 uncached tokens each, but their images still need
+    the tower (the last one ends past the cached blocks): the step admits prompts only while
+    their media fit the token budget, so the tower never gets hundreds at once; the first
+    prompt of a step is admitted whatever its media."""
+    sched = make_scheduler(num_blocks=64, budget=40)
+    first = [_image_prompt(f"p{i}", f"h{i}") for i in range(6)]
+    for seq in first:
+        sched.add(seq)
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in first):
+        run_step(sched)
+    for seq in first:
+        sched.remove(seq)  # their full blocks stay in the prefix cache
+    again = [_image_prompt(f"again{i}", f"h{i}") for i in range(6)]
+    for seq in again:
+        sched.add(seq)
+    batch = sched.schedule()
+    assert [seq.num_computed_tokens for seq in batch.seqs] == [16, 16]  # 4 cached blocks each
+    assert batch.num_new_tokens == [3, 3] and batch.seqs == again[:2]  # 2 x 16 media tokens fit 40, a third would not
+
+    big = make_scheduler(num_blocks=64, budget=40)
+    large = [_image_prompt("large", "h-large", image_tokens=48), _image_prompt("next", "h-next")]
+    for seq in large:
+        big.add(seq)
+    assert big.schedule().seqs == [large[0]]  # 48 media tokens alone, over the budget: the step's first prompt

@@ -20,6 +20,13 @@ chunk stops before the span instead; a span that alone exceeds the remaining bud
 taken whole by the step's first prompt chunk (over budget by at most the span) and waits
 otherwise. A prefix-cache hit may end inside a span: those blocks were computed whole.
 
+The vision tower's batch is bounded too: a step admits no further waiting prompt once
+the media tokens it would encode pass `max_num_batched_tokens` (the step's first prompt is
+always admitted, however large its media). Prompts that are mostly prefix-cache hits cost
+almost nothing of the token budget, so without this a repeat of hundreds of image prompts
+(W1's image ends past the last cached block) would send all their images through the tower
+at once (on the H200: a 6.75 GiB activation, out of memory beside a full KV cache).
+
 When the cache runs out of blocks, the newest running sequence is preempted: its
 blocks are released (they stay in the prefix cache until reused) and it goes back to
 the front of the waiting queue to be recomputed later.
@@ -100,13 +107,16 @@ class Scheduler:
         bm = self.block_manager
         if not self._admitting():
             return batch if batch.seqs else None
+        media_budget = self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.match_prefix(seq)  # none for a forked sample: it holds its shared blocks already
             computed = seq.num_computed_tokens if seq.block_table else len(hits) * bm.block_size
             n = self._chunk(seq, computed, min(len(seq) - computed, budget), batch)
-            if n == 0 or not bm.can_allocate(seq, computed + n, hits):
+            media = seq.mm.tokens_to_encode(computed) if seq.mm is not None else 0
+            if n == 0 or (media > media_budget and batch.is_prefill) or not bm.can_allocate(seq, computed + n, hits):
                 break
+            media_budget -= media
             self.waiting.popleft()
             bm.allocate(seq, computed + n, hits)
             seq.status = SequenceStatus.RUNNING

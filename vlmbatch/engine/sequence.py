@@ -61,6 +61,11 @@ class MultimodalData:
         """The items a forward from prompt position `start` reads (span ending after it) that are not held."""
         return [i for i, (_, end) in enumerate(self.token_spans) if start < end <= self.embeds_from]
 
+    def tokens_to_encode(self, start: int) -> int:
+        """Media tokens the tower must make before a forward from `start`: the scheduler's
+        per-step media budget counts these."""
+        return sum(self.items[i].num_tokens for i in self.missing(start))
+
     def hold(self, indices: list[int], rows: torch.Tensor | None, start: int) -> None:
         """Hold `rows`, the embeddings of the items `indices` = `missing(start)` concatenated,
         beside those held. New tensors, never written in place: forked samples share the old ones."""
