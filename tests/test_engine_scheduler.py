@@ -83,7 +83,7 @@ def test_preempts_newest_when_blocks_run_out_and_resumes_it():
     assert batch.seqs == [old, new]
     batch = run_step(sched)  # 9 tokens need a third block: "new" is preempted
     assert batch.seqs == [old] and sched.num_preemptions == 1
-    assert new.status is SequenceStatus.WAITING and new.block_table == [] and sched.waiting[0] is new
+    assert new.status is SequenceStatus.WAITING and new.block_tables == [] and sched.waiting[0] is new
     sched.remove(old)  # old finishes: its blocks come back
     resumed = run_step(sched)
     assert resumed.is_prefill and resumed.seqs == [new]

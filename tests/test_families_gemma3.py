@@ -35,9 +35,12 @@ def gemma3(tiny_model_dir):
     return load_adapter(path), load_hf_model(path, torch.float32, torch.device("cpu"))
 
 
-def small_engine(adapter, budget: int = BUDGET) -> PagedEngine:
-    return PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
-                                             max_num_seqs=6, max_num_batched_tokens=budget, min_admission_batch=1))
+def small_engine(adapter, budget: int = BUDGET, num_kv_blocks: int = 32, prefix_caching: bool = True) -> PagedEngine:
+    """32 blocks of every layer's KV (a pool of 128 one-layer blocks, `kv_groups.py`): small
+    enough to preempt although the sliding layers free what falls out of their window."""
+    return PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks, block_size=4,
+                                             max_num_seqs=6, max_num_batched_tokens=budget, min_admission_batch=1,
+                                             enable_prefix_caching=prefix_caching))
 
 
 def assert_matches_transformers(adapter, hf_model, count: int, seed: int) -> None:
@@ -56,6 +59,44 @@ def test_mixed_requests_match_transformers(gemma3):
 def test_fifty_mixed_requests_match_transformers(gemma3):
     adapter, hf_model = gemma3
     assert_matches_transformers(adapter, hf_model, 50, seed=5)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_sliding_layers_free_their_blocks_so_a_batch_fits_that_would_not(gemma3, prefix_caching):
+    """Six long requests (one with n = 2) run together without preemption in a pool of 56
+    blocks of every layer: holding every layer's whole context they need far more (before
+    sliding groups, 56 such blocks preempted 6 times here), but the three sliding layers'
+    groups keep only their window.
+    Chunked prefill, a prefix hit past the window (the repeat) and the fork still give
+    `generate()`'s tokens."""
+    adapter, hf_model = gemma3
+    engine = small_engine(adapter, num_kv_blocks=56, prefix_caching=prefix_caching)
+    bm = engine.block_manager
+    assert engine.runner.kv_layout.windows == (0, 12, 12, 12) and bm.num_blocks == 224
+    words = "the cat sits on the mat and the dog runs in the park while a person rides a bicycle".split()
+    texts = [" ".join(words[i:] + words[:i]) * 2 for i in range(5)]
+    prompts = [adapter.prepare(gemma3_prompt(text, 0, False), [], max_tokens=24) for text in texts]
+    prompts.append(prompts[0])  # the repeat: a prefix hit
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, n=2 if i == 1 else 1))
+    most_held = peak = 0
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+        running = engine.scheduler.running
+        most_held = max(most_held, sum(s.num_table_blocks for s in running) * bm.num_groups)
+        peak = max(peak, bm.num_blocks - bm.num_free_blocks)
+    assert most_held > 2 * bm.num_blocks >= 2 * peak  # whole contexts would need twice the pool
+    stats = engine.stats
+    assert stats.num_preemptions == 0 and stats.num_window_freed_blocks > 0 and stats.num_chunked_prefills > 0
+    assert stats.num_forked_tokens > 0 and (stats.num_prefix_hit_tokens > 24) == prefix_caching
+    assert all(prompt.num_tokens > 4 * 12 for prompt in prompts)
+    expected = [hf_greedy(hf_model, adapter, prompt, 24) for prompt in prompts[:5]]
+    for i, output in outputs.items():
+        assert [c.token_ids for c in output.outputs] == [expected[int(i) % 5]] * (2 if i == "1" else 1), i
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_rotary_tables_are_made_where_the_model_is(gemma3):

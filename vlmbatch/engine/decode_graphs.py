@@ -28,20 +28,22 @@ class StaticDecodeInputs:
     tensors it reads (`spread`, captured with the forward: their place in the packed
     buffer depends only on `size`), and one device copy places the block tables, whose
     width varies. A dozen small host-side tensor ops per step used to cost about as much
-    host time as the whole batch-1 forward takes on the GPU.
+    host time as the whole batch-1 forward takes on the GPU. Slots and block tables have
+    one row per KV-cache group (`kv_groups.py`; one for a model without windows).
     """
 
-    def __init__(self, max_num_seqs: int, position_rows: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, position_rows: int, max_blocks: int, device: torch.device, num_groups: int = 1):
         n = max_num_seqs
         self.position_rows = position_rows
+        self.num_groups = num_groups
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros((position_rows, n), dtype=torch.long, device=device)
         if position_rows == 1:
             self.positions = self.positions[0]
-        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.zeros((num_groups, n), dtype=torch.int64, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
-        capacity = n * (3 + position_rows + max_blocks)
+        self.block_tables = torch.full((num_groups, n, max_blocks), -1, dtype=torch.int32, device=device)
+        capacity = n * (2 + position_rows + num_groups * (1 + max_blocks))
         # Two host buffers in turn: a step is staged while the previous one may still be
         # queued on the GPU (asynchronous decoding), so its buffer must not be rewritten
         # before its own copy has run (`copied`).
@@ -50,13 +52,14 @@ class StaticDecodeInputs:
         self.turn = 0
         self.staging = torch.empty(capacity, dtype=torch.int64, device=device)
 
-    def stage(self, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int],
-              size: int, pad_slot: int, pad_block: int) -> None:
+    def stage(self, ids: list[int], positions: torch.Tensor, slots: list[list[int]], tables: list[list[list[int]]],
+              ctx: list[int], size: int, pad_slot: int, pad_block: int) -> None:
         """Rows [0, len(ids)) from the batch, rows up to `size` padding: slot `pad_slot`,
-        context 1 in block `pad_block`. Table entries past a row's width keep whatever an
-        earlier step left: kernels read a table only up to the row's context length."""
-        n, p = len(ids), self.position_rows
-        width = max((len(t) for t in tables), default=0) or 1
+        context 1 in block `pad_block`. `slots` per group, `tables` per row and group.
+        Table entries past a row's width keep whatever an earlier step left: kernels
+        read a table only up to the row's context length."""
+        n, p, g = len(ids), self.position_rows, self.num_groups
+        width = max((len(t[0]) for t in tables), default=0) or 1
         turn, self.turn = self.turn, self.turn ^ 1
         if self.copied[turn] is not None:
             self.copied[turn].synchronize()  # long done: it was queued two steps ago
@@ -70,29 +73,31 @@ class StaticDecodeInputs:
             at += length
             return view
 
-        host_ids, host_positions, host_slots, host_ctx = section(size), section(p * size).reshape(p, size), section(size), section(size)
-        host_tables = section(size * width).reshape(size, width)
+        host_ids, host_positions = section(size), section(p * size).reshape(p, size)
+        host_slots, host_ctx = section(g * size).reshape(g, size), section(size)
+        host_tables = section(g * size * width).reshape(g, size, width)
         host_ids[:n], host_ids[n:] = ids, 0
         host_positions[:, :n], host_positions[:, n:] = positions.reshape(p, n).numpy(), 0
-        host_slots[:n], host_slots[n:] = slots, pad_slot
+        host_slots[:, :n], host_slots[:, n:] = slots, pad_slot
         host_ctx[:n], host_ctx[n:] = ctx, 1
         host_tables.fill(-1)
-        for row, table in enumerate(tables):
-            host_tables[row, : len(table)] = table
-        host_tables[n:, 0] = pad_block
+        for row, row_tables in enumerate(tables):
+            for group, table in enumerate(row_tables):
+                host_tables[group, row, : len(table)] = table
+        host_tables[:, n:, 0] = pad_block
         self.staging[:at].copy_(host_tensor[:at], non_blocking=True)
         if self.staging.is_cuda:
             self.copied[turn] = torch.cuda.Event()
             self.copied[turn].record()
-        tables_at = (3 + p) * size
-        self.block_tables[:size, :width].copy_(self.staging[tables_at : tables_at + size * width].view(size, width))
+        tables_at = (2 + p + g) * size
+        self.block_tables[:, :size, :width].copy_(self.staging[tables_at : tables_at + g * size * width].view(g, size, width))
 
     def spread(self, size: int) -> None:
         """Ids, positions, slots and context lengths of a `size`-row step from the staging
         buffer into the static tensors (part of each captured graph)."""
-        p = self.position_rows
-        ids, positions, slots, ctx = self.staging[: (3 + p) * size].split([size, p * size, size, size])
+        p, g = self.position_rows, self.num_groups
+        ids, positions, slots, ctx = self.staging[: (2 + p + g) * size].split([size, p * size, g * size, size])
         self.ids[:size].copy_(ids)
         self.positions[..., :size].copy_(positions.view(p, size) if p > 1 else positions)
-        self.slots[:size].copy_(slots)
+        self.slots[:, :size].copy_(slots.view(g, size))
         self.context_lens[:size].copy_(ctx)

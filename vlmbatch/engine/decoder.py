@@ -210,12 +210,13 @@ class Decoder(nn.Module):
             language_model.layers[i] = nn.Identity()
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, backend: AttentionBackend, deepstack: DeepStack | None = None) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden] of a flat batch of tokens."""
+                metas: list[AttentionMetadata], backend: AttentionBackend, deepstack: DeepStack | None = None) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden] of a flat batch of tokens. `kv_caches` and
+        `metas` per layer: a layer's KV-cache group has its own slots and block tables."""
         tables = {name: rotary(positions, inputs_embeds.dtype) for name, rotary in self.rotaries.items()}
         h, residual = inputs_embeds, None
         levels = deepstack.rows.shape[1] if deepstack is not None else 0
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for index, (layer, kv_cache, meta) in enumerate(zip(self.layers, kv_caches, metas)):
             cos, sin = tables[self.layer_ropes[index]]
             h, residual = layer(h, residual, cos, sin, kv_cache, meta, backend)
             if index < levels:  # the layer's output in full, then the level added, as transformers adds it

@@ -1,5 +1,7 @@
-"""The paged KV cache: one K and one V tensor per layer, `[num_blocks, block_size, kv_heads, head_dim]`,
-sized from what the GPU has left after the weights and the activation peak."""
+"""The paged KV cache: per layer one K and one V tensor, `[num_blocks, block_size, kv_heads, head_dim]`,
+sized from what the GPU has left after the weights and the activation peak. The j-th layer
+of every KV-cache group shares pair j (`kv_groups.py`), so a block id means the same
+token slots in each and one block costs `layers_per_group` layers' KV."""
 
 from __future__ import annotations
 
@@ -8,19 +10,24 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from vlmbatch.engine.kv_groups import KVLayout
+
 ACTIVATION_RESERVE_BYTES = 4 << 30  # vision tower (a full step of images), graphs and sampling beyond the measured prefill peak
 CPU_KV_CACHE_BYTES = 256 << 20  # default cache on the CPU, where free memory says little
 
 
-def kv_block_bytes(decoder: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * len(decoder.layers) * decoder.num_kv_heads * decoder.head_dim
+def kv_block_bytes(decoder: nn.Module, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * layout.layers_per_group * decoder.num_kv_heads * decoder.head_dim
     return per_token * block_size * dtype.itemsize
 
 
-def allocate_kv_cache(decoder: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_cache(decoder: nn.Module, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer its (K, V) pair; layers of different groups at one slot get the same tensors."""
     shape = (num_blocks, block_size, decoder.num_kv_heads, decoder.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)) for _ in decoder.layers]
+    pairs = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+             for _ in range(layout.layers_per_group)]
+    return [pairs[slot] for slot in layout.layer_slots]
 
 
 def kv_blocks_from_free_memory(device: torch.device, block_bytes: int, full_prefill: Callable[[], None], utilization: float) -> int:

@@ -68,6 +68,7 @@ class EngineStats:
     num_chunked_prefills: int = 0
     num_prefix_hit_tokens: int = 0
     num_forked_tokens: int = 0  # prompt tokens the samples of n > 1 requests shared instead of computing
+    num_window_freed_blocks: int = 0  # blocks sliding-window KV groups freed while their sequence ran on
     num_graph_replays: int = 0
     num_encoded_media: int = 0
     num_encoder_cache_hits: int = 0
@@ -130,7 +131,8 @@ class PagedEngine(Engine):
             frozenset(adapter.eos_token_ids),
             torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
         )
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching,
+                                          self.runner.kv_layout.windows)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
@@ -147,12 +149,15 @@ class PagedEngine(Engine):
         self.decodes_images_on_gpu = device.type == "cuda"
         self._in_flight: _InFlight | None = None
         kv_gib = self.runner.num_kv_blocks * self.runner.block_bytes / 2**30
-        log.info("paged engine: %s on %s in %s%s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens "
+        layout = self.runner.kv_layout
+        groups = "" if layout.num_groups == 1 else (
+            f" in {layout.num_groups} groups of {layout.layers_per_group} layers (windows {', '.join(map(str, layout.windows))})")
+        log.info("paged engine: %s on %s in %s%s; attention %s (%s); kernels: %s; KV cache %d blocks of %d tokens%s "
                  "(%.1f GiB %s, %s); max %d sequences, %d tokens per step; %s decoding",
                  adapter.family.name, device, str(dtype).removeprefix("torch."),
                  f", weights {scheme.describe()}{'' if kernels.fp8 else ' dequantized (no FP8 GEMMs here)'}" if scheme else "",
                  backend_name, backend_reason,
-                 kernels.describe(), self.runner.num_kv_blocks, block_size, kv_gib, str(self.runner.kv_dtype).removeprefix("torch."),
+                 kernels.describe(), self.runner.num_kv_blocks, block_size, groups, kv_gib, str(self.runner.kv_dtype).removeprefix("torch."),
                  "as configured" if config.num_kv_blocks else "sized from free memory", max_num_seqs,
                  config.max_num_batched_tokens, "asynchronous" if self.async_decode else "awaited")
 
@@ -163,8 +168,12 @@ class PagedEngine(Engine):
         its prompt's KV blocks (`BlockManager.fork`), with or without prefix caching."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
+        mm = place_media(self.model, prompt, self.runner.dtype) if prompt.media else None
         total = prompt.num_tokens + params.max_tokens
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        # A prompt chunk is at most the step's budget, or one bidirectional span (`Scheduler`).
+        spans = mm.bidirectional_spans if mm is not None else []
+        longest_chunk = max([self.scheduler.max_num_batched_tokens, *(end - start for start, end in spans)])
+        capacity = self.block_manager.max_tokens_alone(longest_chunk)
         if total > min(self.max_model_len, capacity):
             raise RowError(
                 ErrorType.PROMPT_TOO_LONG,
@@ -172,7 +181,6 @@ class PagedEngine(Engine):
                 f"the engine's limit of {min(self.max_model_len, capacity)} tokens",
                 "prompt",
             )
-        mm = place_media(self.model, prompt, self.runner.dtype) if prompt.media else None
         spec = params.structured_output
         group = []
         for index in range(params.n):
@@ -419,6 +427,7 @@ class PagedEngine(Engine):
         s.num_chunked_prefills = self.scheduler.num_chunked_prefills
         s.num_prefix_hit_tokens = self.block_manager.num_prefix_hit_tokens
         s.num_forked_tokens = self.block_manager.num_forked_tokens
+        s.num_window_freed_blocks = self.block_manager.num_window_freed_blocks
         s.num_graph_replays = self.runner.num_graph_replays
         s.num_encoded_media = self.model.num_encoded_items
         s.num_encoder_cache_hits = self.model.num_encoder_cache_hits

@@ -1,16 +1,18 @@
 """Turns a scheduled batch into one forward pass over the paged KV cache, then samples.
 
-Owns the device state: the KV cache (`kv_cache.py`: one tensor pair per layer, sized from
-free GPU memory unless `num_kv_blocks` is given), the attention backend, and on CUDA the
-decode CUDA graphs (`decode_graphs.py`), replayed with the batch padded to the next
-captured size.
+Owns the device state: the KV cache (`kv_cache.py`: one tensor pair per layer, shared by
+the KV-cache groups' layers of one slot (`kv_groups.py`), sized from free GPU memory unless
+`num_kv_blocks` is given), the attention backend, and on CUDA the decode CUDA graphs
+(`decode_graphs.py`), replayed with the batch padded to the next captured size. Each step
+builds one `AttentionMetadata` per group (its slots and block tables) and hands every
+layer its group's.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +20,7 @@ from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
 from vlmbatch.engine.decode_graphs import StaticDecodeInputs, graph_batch_sizes
 from vlmbatch.engine.decoder import DeepStack
 from vlmbatch.engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_blocks_from_free_memory
+from vlmbatch.engine.kv_groups import kv_layout
 from vlmbatch.engine.logit_adjust import LogitAdjustments
 from vlmbatch.engine.outputs import TokenLogprob
 from vlmbatch.engine.sampler import SamplingBatch, sample, token_logprobs
@@ -50,7 +53,9 @@ class ModelRunner:
     ):
         """`eos_token_ids`: what `min_tokens` keeps from being drawn too early. `kv_cache_dtype`:
         the KV cache's element type (None: the model's; float8_e4m3fn for `--kv-cache-dtype fp8`,
-        half the bytes per token, so twice the tokens)."""
+        half the bytes per token, so twice the tokens). `num_kv_blocks` counts blocks of the
+        whole model (every layer's KV for `block_size` tokens): the pool gets that many per
+        KV-cache group, the same memory whatever the grouping."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.decoder = model.decoder
@@ -61,9 +66,13 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype or self.dtype
         self.block_size = block_size
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
-        self.num_kv_blocks = num_kv_blocks or self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization)
-        self.kv_caches = allocate_kv_cache(self.decoder, self.num_kv_blocks + 1, block_size, self.kv_dtype, device)
-        self.pad_slot = self.num_kv_blocks * block_size  # the spare block
+        self.kv_layout = kv_layout([layer.self_attn.window for layer in self.decoder.layers])
+        self.num_kv_blocks = (num_kv_blocks * self.kv_layout.num_groups if num_kv_blocks
+                              else self._blocks_from_free_memory(max_num_batched_tokens, gpu_memory_utilization))
+        self.kv_caches = allocate_kv_cache(self.decoder, self.kv_layout, self.num_kv_blocks + 1, block_size, self.kv_dtype, device)
+        # The spare block: CUDA-graph padding rows write there, and dropped table entries of
+        # sliding groups (`BlockManager.null_block`) point there.
+        self.pad_slot = self.num_kv_blocks * block_size
         # Decode batch size -> its CUDA graph; None = the same static buffers run eagerly
         # (`prepare_static_decode(capture=False)`: lets the CPU tests cover the padding logic).
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
@@ -76,7 +85,8 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return kv_block_bytes(self.decoder, self.block_size, self.kv_dtype)
+        """Bytes of one pool block: one group's layers for `block_size` tokens."""
+        return kv_block_bytes(self.decoder, self.kv_layout, self.block_size, self.kv_dtype)
 
     def _blocks_from_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
         """What is left of `utilization` x device memory after the weights and the peak of
@@ -85,7 +95,7 @@ class ModelRunner:
         def full_prefill() -> None:
             num_tokens = max_num_batched_tokens
             blocks = (num_tokens + self.block_size - 1) // self.block_size
-            caches = allocate_kv_cache(self.decoder, blocks + 1, self.block_size, self.kv_dtype, self.device)
+            caches = allocate_kv_cache(self.decoder, self.kv_layout, blocks + 1, self.block_size, self.kv_dtype, self.device)
             meta = self._prefill_metadata_for_warmup(num_tokens, blocks)
             with torch.no_grad():
                 embeds = self.decoder.embed_tokens(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
@@ -97,25 +107,30 @@ class ModelRunner:
 
         return kv_blocks_from_free_memory(self.device, self.block_bytes, full_prefill, utilization)
 
-    def _prefill_metadata_for_warmup(self, num_tokens: int, blocks: int) -> AttentionMetadata:
+    def _prefill_metadata_for_warmup(self, num_tokens: int, blocks: int) -> list[AttentionMetadata]:
+        """Every group on the same blocks: only the memory peak matters here."""
+        groups = self.kv_layout.num_groups
         return self._metadata(
             is_prefill=True,
-            slot_mapping=list(range(num_tokens)),
-            block_tables=[list(range(blocks))],
+            slots=torch.arange(num_tokens).expand(groups, -1),
+            block_tables=[[list(range(blocks))] * groups],
             q_lens=[num_tokens],
             context_lens=[num_tokens],
         )
 
     # ---- inputs -----------------------------------------------------------------------
-    def _metadata(self, is_prefill: bool, slot_mapping: list[int], block_tables: list[list[int]], q_lens: list[int], context_lens: list[int]) -> AttentionMetadata:
-        tables = _padded_tables(block_tables)
+    def _metadata(self, is_prefill: bool, slots: torch.Tensor | list[list[int]], block_tables: list[list[list[int]]],
+                  q_lens: list[int], context_lens: list[int], key_ends: torch.Tensor | None = None) -> list[AttentionMetadata]:
+        """Per layer, its group's metadata. `slots` [groups, num_tokens]; `block_tables` per
+        sequence, per group."""
         cu_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         cu_k = torch.tensor([0, *context_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         to = dict(device=self.device, non_blocking=True)
-        return AttentionMetadata(
+        slots = torch.as_tensor(slots, dtype=torch.int64).to(**to)
+        shared = AttentionMetadata(
             is_prefill=is_prefill,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(**to),
-            block_tables=tables.to(**to),
+            slot_mapping=slots[0],
+            block_tables=_padded_tables([tables[0] for tables in block_tables]).to(**to),
             context_lens=torch.tensor(context_lens, dtype=torch.int32).to(**to),
             cu_seqlens_q=cu_q.to(**to),
             cu_seqlens_k=cu_k.to(**to),
@@ -123,11 +138,21 @@ class ModelRunner:
             max_context_len=max(context_lens),
             q_lens=q_lens,
             context_lens_host=context_lens,
+            key_ends=None if key_ends is None else key_ends.to(**to),
         )
+        groups = [shared] + [replace(shared, slot_mapping=slots[g], block_tables=_padded_tables([t[g] for t in block_tables]).to(**to))
+                             for g in range(1, self.kv_layout.num_groups)]
+        return self._per_layer(groups)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[i // bs] * bs + i % bs for i in range(start, end)]
+    def _per_layer(self, groups: list[AttentionMetadata]) -> list[AttentionMetadata]:
+        return [groups[g] for g in self.kv_layout.layer_groups]
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """[groups, end - start]: the cache slots of tokens [start, end) in each group."""
+        bs, first = self.block_size, start // self.block_size
+        blocks = torch.tensor([table[first : (end - 1) // bs + 1] for table in seq.block_tables], dtype=torch.int64)
+        positions = torch.arange(start, end)
+        return blocks[:, positions // bs - first] * bs + positions % bs
 
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Rope positions of tokens [start, end): M-RoPE's [3, n] or 1-D [n]."""
@@ -155,7 +180,7 @@ class ModelRunner:
             ends[max(span_start, start) - start : span_end - start] = span_end
         return ends
 
-    def _prefill_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, DeepStack | None]:
+    def _prefill_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], DeepStack | None]:
         ids, positions, slots, q_lens, ctx_lens, key_ends = [], [], [], [], [], []
         media_rows, media_at = [], []  # media embedding rows and where they go in the flat batch
         offset = 0
@@ -163,7 +188,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.append(self._positions(seq, start, start + n))
-            slots.extend(self._slots(seq, start, start + n))
+            slots.append(self._slots(seq, start, start + n))
             q_lens.append(n)
             ctx_lens.append(start + n)
             key_ends.append(self._key_ends(seq, start, start + n))
@@ -181,22 +206,26 @@ class ModelRunner:
             embeds[at] = rows[:, :hidden]
             if self.model.deepstack_levels:  # the levels sit beside the embeddings (`encode_batch`)
                 deepstack = DeepStack(at, rows[:, hidden:].view(len(at), self.model.deepstack_levels, hidden))
-        meta = self._metadata(True, slots, [s.block_table for s in batch.seqs], q_lens, ctx_lens)
-        if any(ends is not None for ends in key_ends):
-            ends = [e if e is not None else torch.arange(c - q + 1, c + 1, dtype=torch.int32)
-                    for e, q, c in zip(key_ends, q_lens, ctx_lens)]
-            meta.key_ends = torch.cat(ends).to(self.device, non_blocking=True)
+        ends = None
+        if any(e is not None for e in key_ends):
+            ends = torch.cat([e if e is not None else torch.arange(c - q + 1, c + 1, dtype=torch.int32)
+                              for e, q, c in zip(key_ends, q_lens, ctx_lens)])
+        meta = self._metadata(True, torch.cat(slots, dim=1), [s.block_tables for s in batch.seqs], q_lens, ctx_lens, ends)
         return embeds, torch.cat(positions, dim=-1).to(self.device, non_blocking=True), meta, deepstack
 
-    def _decode_host_inputs(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor, list[int], list[int]]:
-        """Plain lists built in one pass: this runs every decode step for every sequence."""
+    def _decode_host_inputs(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor, list[list[int]], list[int]]:
+        """Plain lists built in one pass: this runs every decode step for every sequence.
+        Slots per group."""
         bs = self.block_size
-        ids, positions, slots, lens = [], [], [], []
+        ids, positions, lens = [], [], []
+        slots: list[list[int]] = [[] for _ in range(self.kv_layout.num_groups)]
         for s in seqs:
             n = len(s)
             ids.append(s.token_ids[-1])
             positions.append(n - 1 + (s.mm.rope_delta if s.mm is not None else 0))
-            slots.append(s.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
+            index, offset = (n - 1) // bs, (n - 1) % bs
+            for group_slots, table in zip(slots, s.block_tables):
+                group_slots.append(table[index] * bs + offset)
             lens.append(n)
         position_tensor = torch.tensor(positions)
         return ids, position_tensor.expand(3, -1) if self.model.mrope else position_tensor, slots, lens
@@ -212,7 +241,7 @@ class ModelRunner:
         embeds, positions, meta, deepstack = self._prefill_inputs(batch)
         hidden = self.decoder(embeds, positions, self.kv_caches, meta, self.backend, deepstack)
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == len(s)]
-        last = torch.tensor(meta.q_lens).cumsum(0)[done] - 1
+        last = torch.tensor(meta[0].q_lens).cumsum(0)[done] - 1
         return [batch.seqs[i] for i in done], self.decoder.compute_logits(hidden[last.to(self.device)])
 
     def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None,
@@ -252,11 +281,11 @@ class ModelRunner:
         ids, positions, slots, ctx = self._decode_host_inputs(seqs)
         graph_size = next((b for b in sorted(self.graphs) if b >= len(seqs)), None)
         if graph_size is None:
-            meta = self._metadata(False, slots, [s.block_table for s in seqs], [1] * len(seqs), ctx)
+            meta = self._metadata(False, slots, [s.block_tables for s in seqs], [1] * len(seqs), ctx)
             device_ids = input_ids if input_ids is not None else torch.tensor(ids).to(self.device, non_blocking=True)
             hidden = self.decoder(self.decoder.embed_tokens(device_ids), positions.to(self.device, non_blocking=True), self.kv_caches, meta, self.backend)
             return self.decoder.compute_logits(hidden)
-        return self._replay(graph_size, ids, positions, slots, [s.block_table for s in seqs], ctx, input_ids)
+        return self._replay(graph_size, ids, positions, slots, [s.block_tables for s in seqs], ctx, input_ids)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def _check_backend(self, backend: AttentionBackend) -> None:
@@ -279,14 +308,16 @@ class ModelRunner:
     @torch.no_grad()
     def prepare_static_decode(self, max_num_seqs: int, capture: bool) -> None:
         """Static decode buffers for batch sizes up to `max_num_seqs`, captured as CUDA graphs."""
-        self.static_inputs = StaticDecodeInputs(max_num_seqs, 3 if self.model.mrope else 1, self.max_blocks_per_seq, self.device)
+        groups = self.kv_layout.num_groups
+        self.static_inputs = StaticDecodeInputs(max_num_seqs, 3 if self.model.mrope else 1, self.max_blocks_per_seq, self.device, groups)
         self.graph_logits: dict[int, torch.Tensor] = {}
         pool = None
         for size in reversed(graph_batch_sizes(max_num_seqs)):
             if not capture:
                 self.graphs[size] = None
                 continue
-            self._stage(size, [], torch.zeros((3, 0) if self.model.mrope else (0,), dtype=torch.long), [], [], [])  # all padding
+            positions = torch.zeros((3, 0) if self.model.mrope else (0,), dtype=torch.long)
+            self._stage(size, [], positions, [[] for _ in range(groups)], [], [])  # all padding
             meta = self._static_meta_view(size)
             graph = torch.cuda.CUDAGraph()
             self._decode_forward(size, meta)  # warm up (autotuning, lazy init) outside the graph
@@ -297,26 +328,27 @@ class ModelRunner:
         if capture:
             torch.cuda.synchronize()
 
-    def _static_meta_view(self, size: int) -> AttentionMetadata:
+    def _static_meta_view(self, size: int) -> list[AttentionMetadata]:
         inputs = self.static_inputs
-        return AttentionMetadata(
+        return self._per_layer([AttentionMetadata(
             is_prefill=False,
-            slot_mapping=inputs.slots[:size],
-            block_tables=inputs.block_tables[:size],
+            slot_mapping=inputs.slots[g, :size],
+            block_tables=inputs.block_tables[g, :size],
             context_lens=inputs.context_lens[:size],
             max_context_len=self.max_blocks_per_seq * self.block_size,
-        )
+        ) for g in range(self.kv_layout.num_groups)])
 
-    def _decode_forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode_forward(self, size: int, meta: list[AttentionMetadata]) -> torch.Tensor:
         self.static_inputs.spread(size)
         embeds = self.decoder.embed_tokens(self.static_inputs.ids[:size])
         hidden = self.decoder(embeds, self.static_inputs.positions[..., :size], self.kv_caches, meta, self.backend)
         return self.decoder.compute_logits(hidden)
 
-    def _stage(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int]) -> None:
+    def _stage(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[list[int]], tables: list[list[list[int]]],
+               ctx: list[int]) -> None:
         self.static_inputs.stage(ids, positions, slots, tables, ctx, size, self.pad_slot, self.num_kv_blocks)
 
-    def _replay(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[int], tables: list[list[int]], ctx: list[int],
+    def _replay(self, size: int, ids: list[int], positions: torch.Tensor, slots: list[list[int]], tables: list[list[list[int]]], ctx: list[int],
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         self._stage(size, ids, positions, slots, tables, ctx)
         if input_ids is not None:  # after the staged copy on the same stream: these win

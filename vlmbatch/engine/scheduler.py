@@ -27,6 +27,10 @@ almost nothing of the token budget, so without this a repeat of hundreds of imag
 (W1's image ends past the last cached block) would send all their images through the tower
 at once (on the H200: a 6.75 GiB activation, out of memory beside a full KV cache).
 
+Sliding-window KV-cache groups free the blocks that fall out of their window after each
+step (`BlockManager.release_out_of_window`), so what a step needs is counted in blocks of
+every group: a new block per group when a sequence crosses into one.
+
 When the cache runs out of blocks, the newest running sequence is preempted: its
 blocks are released (they stay in the prefix cache until reused) and it goes back to
 the front of the waiting queue to be recomputed later.
@@ -86,7 +90,7 @@ class Scheduler:
     @staticmethod
     def _is_decoding(seq: Sequence) -> bool:
         # One token left to compute after its media were embedded in an earlier prefill.
-        return bool(seq.block_table) and seq.num_uncomputed_tokens == 1 and (
+        return bool(seq.block_tables) and seq.num_uncomputed_tokens == 1 and (
             seq.mm is None or seq.num_computed_tokens >= seq.num_prompt_tokens
         )
 
@@ -111,7 +115,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.match_prefix(seq)  # none for a forked sample: it holds its shared blocks already
-            computed = seq.num_computed_tokens if seq.block_table else len(hits) * bm.block_size
+            computed = seq.num_computed_tokens if seq.block_tables else len(hits[0]) * bm.block_size
             n = self._chunk(seq, computed, min(len(seq) - computed, budget), batch)
             media = seq.mm.tokens_to_encode(computed) if seq.mm is not None else 0
             if n == 0 or (media > media_budget and batch.is_prefill) or not bm.can_allocate(seq, computed + n, hits):
@@ -133,13 +137,13 @@ class Scheduler:
         the previous step's tokens (see `PagedEngine`)."""
         if self.running != seqs or (self.waiting and self._admitting()):
             return False
-        bs = self.block_manager.block_size
+        bm = self.block_manager
         new_blocks = 0
         for seq in seqs:
             if not self._is_decoding(seq):
                 return False
-            new_blocks += seq.num_computed_tokens + 1 > len(seq.block_table) * bs
-        return new_blocks <= self.block_manager.num_free_blocks
+            new_blocks += seq.num_computed_tokens + 1 > seq.num_table_blocks * bm.block_size
+        return new_blocks * bm.num_groups <= bm.num_free_blocks
 
     @staticmethod
     def _chunk(seq: Sequence, start: int, n: int, batch: ScheduledBatch) -> int:
@@ -170,7 +174,7 @@ class Scheduler:
         """Allocate blocks for `seq`, preempting the newest unscheduled running sequences
         if needed; preempts `seq` itself (and returns False) when nothing else is left."""
         bm = self.block_manager
-        if num_tokens <= len(seq.block_table) * bm.block_size:
+        if num_tokens <= seq.num_table_blocks * bm.block_size:
             return True  # the common decode case: the last block still has room
         while not bm.can_allocate(seq, num_tokens):
             victim = next((s for s in reversed(self.running) if s is not seq and s not in batch.seqs), None)
@@ -189,10 +193,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish_step(self, batch: ScheduledBatch) -> None:
-        """Account for the KV the step wrote (before new tokens are appended); sequences
-        that finished meanwhile (asynchronous decoding) are left out."""
+        """Account for the KV the step wrote (before new tokens are appended): register full
+        blocks, then free those out of every window; sequences that finished meanwhile
+        (asynchronous decoding) are left out. A block freed here may still be read by a
+        step in flight: the next step that reuses it is queued after it on the stream."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+            self.block_manager.release_out_of_window(seq)

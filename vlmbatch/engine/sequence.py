@@ -97,11 +97,12 @@ class Sequence:
     # Tokens whose KV is in the cache (prefix-cache hits included). The scheduler
     # advances it after each step; tokens [num_computed_tokens:] still need a forward.
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # One block table per KV-cache group (`BlockManager`), all of one length; [] = no blocks.
+    block_tables: list[list[int]] = field(default_factory=list)
     # Prefix-cache keys of the sequence's full blocks, a hash chain (block i's key covers
     # blocks 0..i); extended lazily by the block manager, valid as long as the tokens are.
     block_hashes: list[bytes] = field(default_factory=list)
-    # Leading blocks of `block_table` already registered in the prefix cache: each step's
+    # Leading blocks of the block tables already registered in the prefix cache: each step's
     # commit then only looks at blocks filled since (0 again when the table is dropped).
     num_registered_blocks: int = 0
     finish_reason: str | None = None
@@ -143,6 +144,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_table_blocks(self) -> int:
+        """Entries in each of the sequence's block tables (dropped ones included)."""
+        return len(self.block_tables[0]) if self.block_tables else 0
 
     def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         """Blocks that hold the first `num_tokens` tokens (all of them by default)."""
