@@ -185,3 +185,33 @@ def test_a_step_encodes_at_most_its_token_budget_of_media_when_prompts_are_mostl
     for seq in large:
         big.add(seq)
     assert big.schedule().seqs == [large[0]]  # 48 media tokens alone, over the budget: the step's first prompt
+
+
+def test_sliding_groups_free_blocks_during_chunked_prefill_and_decode():
+    """Two sequences of 24 tokens hold 2 x 6 blocks in each of two groups at the end: 24
+    blocks, more than the pool; the sliding group (window 4) frees what falls behind, so
+    both run to the end without preemption, and `decodes_next` counts both groups."""
+    sched = Scheduler(BlockManager(20, 4, windows=(0, 4)), max_num_seqs=2, max_num_batched_tokens=8)
+    bm = sched.block_manager
+    a, b = Sequence("a", list(range(12)), SamplingParams()), Sequence("b", list(range(50, 62)), SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched).num_new_tokens == [8]  # a's first chunk: its next chunk starts at 8, which sees 5..
+    assert a.block_tables[1][0] == bm.null_block and bm.null_block not in a.block_tables[0]
+    while len(b) < 24:
+        run_step(sched)
+    assert sched.num_preemptions == 0 and 2 * (a.num_table_blocks + b.num_table_blocks) > 20  # whole tables would not fit
+    for seq in (a, b):  # the next query sees keys from num_computed - 3 on
+        first_kept = (seq.num_computed_tokens - 3) // 4
+        assert seq.block_tables[1][:first_kept] == [bm.null_block] * first_kept
+        assert bm.null_block not in seq.block_tables[1][first_kept:] + seq.block_tables[0]
+    held = {block for seq in (a, b) for table in seq.block_tables for block in table} - {bm.null_block}
+    assert bm.num_free_blocks == 20 - len(held) > 0
+    while not any(s.num_computed_tokens + 1 > s.num_table_blocks * 4 for s in (a, b)):
+        run_step(sched)
+    needed = 2 * sum(s.num_computed_tokens + 1 > s.num_table_blocks * 4 for s in (a, b))  # a block in each group
+    filler = Sequence("f", list(range(40)), SamplingParams())
+    while bm.num_free_blocks >= 2:
+        assert sched.decodes_next([a, b]) == (needed <= bm.num_free_blocks)
+        bm.allocate(filler, (filler.num_table_blocks + 1) * 4)
+    assert not sched.decodes_next([a, b])

@@ -61,16 +61,19 @@ def test_fifty_mixed_requests_match_transformers(gemma3):
     assert_matches_transformers(adapter, hf_model, 50, seed=5)
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_sliding_layers_free_their_blocks_so_a_batch_fits_that_would_not(gemma3, prefix_caching):
+@pytest.mark.parametrize("prefix_caching,static_decode", [(True, False), (False, True)])
+def test_sliding_layers_free_their_blocks_so_a_batch_fits_that_would_not(gemma3, prefix_caching, static_decode):
     """Six long requests (one with n = 2) run together without preemption in a pool of 56
     blocks of every layer: holding every layer's whole context they need far more (before
     sliding groups, 56 such blocks preempted 6 times here), but the three sliding layers'
     groups keep only their window.
     Chunked prefill, a prefix hit past the window (the repeat) and the fork still give
-    `generate()`'s tokens."""
+    `generate()`'s tokens, also through the CUDA graphs' static inputs (one slot row and
+    block table per group), run eagerly here."""
     adapter, hf_model = gemma3
     engine = small_engine(adapter, num_kv_blocks=56, prefix_caching=prefix_caching)
+    if static_decode:
+        engine.runner.prepare_static_decode(6, capture=False)
     bm = engine.block_manager
     assert engine.runner.kv_layout.windows == (0, 12, 12, 12) and bm.num_blocks == 224
     words = "the cat sits on the mat and the dog runs in the park while a person rides a bicycle".split()
@@ -92,6 +95,7 @@ def test_sliding_layers_free_their_blocks_so_a_batch_fits_that_would_not(gemma3,
     stats = engine.stats
     assert stats.num_preemptions == 0 and stats.num_window_freed_blocks > 0 and stats.num_chunked_prefills > 0
     assert stats.num_forked_tokens > 0 and (stats.num_prefix_hit_tokens > 24) == prefix_caching
+    assert (stats.num_graph_replays == stats.num_decode_steps > 0) == static_decode
     assert all(prompt.num_tokens > 4 * 12 for prompt in prompts)
     expected = [hf_greedy(hf_model, adapter, prompt, 24) for prompt in prompts[:5]]
     for i, output in outputs.items():

@@ -162,7 +162,7 @@ class EngineConfig(Options):
     gpu_memory_utilization: float = option(0.9, "VLMBATCH_GPU_MEMORY_UTILIZATION",
                                            help="share of GPU memory for weights, activations and the KV cache")
     num_kv_blocks: int | None = option(None, "VLMBATCH_NUM_KV_BLOCKS", parse=_optional(int),
-                                       help="KV-cache blocks (default: sized from free memory)")
+                                       help="KV-cache blocks of every layer (default: sized from free memory)")
     block_size: int | None = option(None, "VLMBATCH_BLOCK_SIZE", parse=_optional(int),
                                     help="tokens per KV block (default: 256 on GPU, 16 on CPU)")
     enable_prefix_caching: bool = option(True, "VLMBATCH_ENABLE_PREFIX_CACHING", help="share KV blocks of equal prefixes")

@@ -116,9 +116,15 @@ def clear_encoder_cache(engine) -> None:
 
 def memory_summary(engine) -> dict[str, float]:
     """The KV cache the engine sized from what the weights left (blocks, tokens, GiB), and
-    the GiB its decoder's weights take (FP8 weights at one byte)."""
+    the GiB its decoder's weights take (FP8 weights at one byte). With KV-cache groups
+    (sliding windows, `kv_groups.py`) a block holds one group's layers: `kv_tokens` is the
+    context every layer can hold at once (the pool over its groups, as for a model without
+    windows), `kv_window_tokens` what each sliding group keeps per sequence (0: none)."""
     runner = engine.runner
+    layout = runner.kv_layout
     decoder = engine.model.decoder
     weights = sum(t.numel() * t.element_size() for t in [*decoder.parameters(), *decoder.buffers()])
-    return {"kv_blocks": runner.num_kv_blocks, "kv_tokens": runner.num_kv_blocks * runner.block_size,
+    return {"kv_blocks": runner.num_kv_blocks, "kv_tokens": runner.num_kv_blocks // layout.num_groups * runner.block_size,
+            "kv_groups": layout.num_groups, "kv_layers_per_group": layout.layers_per_group,
+            "kv_window_tokens": max(layout.windows),
             "kv_gib": runner.num_kv_blocks * runner.block_bytes / 2**30, "decoder_weights_gib": weights / 2**30}

@@ -312,8 +312,10 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         engine = _engine(adapter, hf_model, options, dtype, device, options.max_num_seqs)
         del hf_model
         memory = report["memory"] = adapt.memory_summary(engine)
+        groups = (f" in {memory['kv_groups']} groups of {memory['kv_layers_per_group']} layers, sliding ones keeping "
+                  f"{memory['kv_window_tokens']} tokens a sequence" if memory["kv_groups"] > 1 else "")
         echo(f"memory: decoder weights {memory['decoder_weights_gib']:.1f} GiB; KV cache {memory['kv_blocks']} blocks = "
-             f"{memory['kv_tokens']} tokens ({memory['kv_gib']:.1f} GiB) sized from what is left")
+             f"{memory['kv_tokens']} tokens of every layer{groups} ({memory['kv_gib']:.1f} GiB) sized from what is left")
         report.update(adapt.vision_tower(engine))
         echo(f"vision tower: {report['vision_tower']} (transformers' attention batched per window length: {report['packed_vision_attention']})")
         if reference is not None:

@@ -144,7 +144,7 @@ class BlockManager:
         whose logits it samples from), so it never writes into a shared block. The parent
         keeps what the child's first query sees (`_first_future_query`)."""
         shared = min((parent.num_prompt_tokens - 1) // self.block_size, parent.num_computed_tokens // self.block_size)
-        child.block_tables = [self._reference(table[:shared]) for table in parent.block_tables]
+        child.block_tables = [self._reference(table[:shared]) for table in parent.block_tables] if shared else []
         child.block_hashes = list(parent.block_hashes[:shared])
         child.num_computed_tokens = shared * self.block_size
         self.num_forked_tokens += child.num_computed_tokens
