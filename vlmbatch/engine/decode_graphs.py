@@ -81,9 +81,8 @@ class StaticDecodeInputs:
         host_slots[:, :n], host_slots[:, n:] = slots, pad_slot
         host_ctx[:n], host_ctx[n:] = ctx, 1
         host_tables.fill(-1)
-        for row, row_tables in enumerate(tables):
-            for group, table in enumerate(row_tables):
-                host_tables[group, row, : len(table)] = table
+        for row, row_tables in enumerate(tables):  # a row's tables are of one length
+            host_tables[:, row, : len(row_tables[0])] = row_tables
         host_tables[:, n:, 0] = pad_block
         self.staging[:at].copy_(host_tensor[:at], non_blocking=True)
         if self.staging.is_cuda:
