@@ -9,7 +9,10 @@ picks), and one block holds one group's KV for `block_size` tokens across that g
 layers: the cache is `layers_per_group` K/V tensor pairs, and the j-th layer of every
 group uses pair j. A type whose layer count is not a multiple leaves the last pairs of
 its last group unused (Gemma-3-27B: 10 global, 52 sliding layers -> 6 sliding groups,
-the last of 2 layers). A model without windows is one group of all its layers, exactly
+the last of 2 layers): with global layers the fewest, that waste is in sliding blocks,
+of which a sequence holds only a window's worth, never in the global blocks that hold
+the whole context (a size dividing 52, say 13, would waste 3 of every global block's
+13 layers). A model without windows is one group of all its layers, exactly
 the one block table per sequence it always had.
 """
 
