@@ -3,7 +3,7 @@
 A `Sequence` holds everything the scheduler, block manager and runner need about a
 request: its tokens (prompt followed by generated ones), how many of them already have
 KV in the cache, which cache blocks it owns, and its multimodal extras. Preemption
-recomputes: the sequence goes back to WAITING with its block table dropped, and its
+recomputes: the sequence goes back to WAITING with its block tables dropped, and its
 prompt + generated tokens are prefilled again later (no KV swapping).
 """
 
