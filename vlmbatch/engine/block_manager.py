@@ -48,6 +48,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = windows
+        self.has_windows = any(windows)  # without, `release_out_of_window` has nothing to do
         self.null_block = num_blocks  # the spare block: what a dropped table entry points at
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion-ordered: blocks freed longest ago are reused first, so recently
@@ -221,6 +222,8 @@ class BlockManager:
     def release_out_of_window(self, seq: Sequence) -> None:
         """Return to the pool the sliding groups' blocks that no future query sees (call
         after `commit`, so they stay cached for prefix hits until reused)."""
+        if not self.has_windows:
+            return  # every step of every sequence of the families without windows
         position = self._first_future_query(seq)
         for group, table in enumerate(seq.block_tables):
             if not self.windows[group]:
