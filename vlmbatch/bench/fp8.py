@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,6 +34,16 @@ FP8_ROWS = (1, 16, 64, 256, 2048)
 FP8_MIN_BOUND = 0.15
 
 
+def _fp8_modules(hf_model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """("linear", module) for each decoder projection of `hf_model`'s language model and
+    ("experts", module) for each MoE expert set: what our engine runs in FP8."""
+    for name, module in hf_model.model.language_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
+            yield "linear", module
+        elif name.endswith("mlp.experts"):
+            yield "experts", module
+
+
 @torch.no_grad()
 def round_trip_language_model(hf_model: torch.nn.Module, quantization: str) -> int:
     """Replace the decoder projections of `hf_model`'s language model by their fp8 round
@@ -44,16 +54,15 @@ def round_trip_language_model(hf_model: torch.nn.Module, quantization: str) -> i
         return dequantize_fp8_ref(q, s).to(w.dtype)
 
     count = 0
-    for name, module in hf_model.model.language_model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
+    for kind, module in _fp8_modules(hf_model):
+        if kind == "linear":
             module.weight.copy_(round_trip(module.weight))
-            count += 1
-        elif name.endswith("mlp.experts"):  # [E, 2I, H] gate rows first, [E, H, I]: each expert's gate, up, down alone
+        else:  # [E, 2I, H] gate rows first, [E, H, I]: each expert's gate, up, down alone
             for gate_up, down in zip(module.gate_up_proj, module.down_proj):
                 half = gate_up.shape[0] // 2
                 gate_up.copy_(torch.cat([round_trip(gate_up[:half]), round_trip(gate_up[half:])]))
                 down.copy_(round_trip(down))
-            count += 1
+        count += 1
     return count
 
 
@@ -71,10 +80,10 @@ def simulate_fp8_activations(hf_model: torch.nn.Module, quantization: str) -> bo
         return (dequantize_fp8_ref(q, scales).view(x.shape).to(x.dtype), *args[1:])
 
     complete = True
-    for name, module in hf_model.model.language_model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
+    for kind, module in _fp8_modules(hf_model):
+        if kind == "linear":
             module.register_forward_pre_hook(rounded)
-        elif name.endswith("mlp.experts"):
+        else:
             complete = False
     return complete
 

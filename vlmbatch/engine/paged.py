@@ -134,6 +134,7 @@ class PagedEngine(Engine):
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, config.enable_prefix_caching,
                                           self.runner.kv_layout.windows)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens, config.min_admission_batch)
+        self.capacity = self.block_manager.max_tokens_alone(config.max_num_batched_tokens)  # the longest sequence that runs alone
         self.tokenizer = adapter.processor.tokenizer
         self.eos_token_ids = set(adapter.eos_token_ids)
         self.structured = StructuredDecoding(self.tokenizer, self.model.decoder.embed_tokens.num_embeddings,
@@ -171,9 +172,9 @@ class PagedEngine(Engine):
         mm = place_media(self.model, prompt, self.runner.dtype) if prompt.media else None
         total = prompt.num_tokens + params.max_tokens
         # A prompt chunk is at most the step's budget, or one bidirectional span (`Scheduler`).
-        spans = mm.bidirectional_spans if mm is not None else []
-        longest_chunk = max([self.scheduler.max_num_batched_tokens, *(end - start for start, end in spans)])
-        capacity = self.block_manager.max_tokens_alone(longest_chunk)
+        longest_span = max((end - start for start, end in mm.bidirectional_spans), default=0) if mm is not None else 0
+        capacity = (self.block_manager.max_tokens_alone(longest_span) if longest_span > self.scheduler.max_num_batched_tokens
+                    else self.capacity)
         if total > min(self.max_model_len, capacity):
             raise RowError(
                 ErrorType.PROMPT_TOO_LONG,
