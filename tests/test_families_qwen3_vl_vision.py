@@ -1,6 +1,9 @@
 """Our Qwen3-VL vision tower gives transformers' features (merged and every DeepStack level) on the same weights."""
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -71,6 +74,38 @@ def test_layout_is_cached_per_grid_combination(model):
     assert first.frame_lengths == (60, 56, 24, 24, 24, 4, 60)
     assert first.position_taps.shape == first.position_weights.shape == (int(GRIDS.prod(-1).sum()), 4)
     torch.testing.assert_close(first.position_weights.sum(-1), torch.ones(len(first.position_weights)))
+
+
+TRITON_ROTARY = textwrap.dedent(
+    r"""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import dataclasses, torch
+    torch.set_num_threads(1)
+    from vlmbatch.engine.kernel_choice import TORCH_KERNELS
+    from vlmbatch.engine.loading import load_hf_model
+    from vlmbatch.families.qwen3_vl.vision import Qwen3VisionTower
+    from vlmbatch.kernels import apply_rotary
+
+    hf = load_hf_model(sys.argv[1], torch.float32, torch.device("cpu"))
+    kernels = dataclasses.replace(TORCH_KERNELS, rotary=apply_rotary)
+    fused = Qwen3VisionTower.from_hf(hf.model.visual, torch.device("cpu"), torch.float32, kernels)
+    plain = Qwen3VisionTower.from_hf(hf.model.visual, torch.device("cpu"), torch.float32, TORCH_KERNELS)
+    grids = torch.tensor([[1, 6, 10], [2, 4, 4]])
+    pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(pixels, grids), plain(pixels, grids), rtol=1e-5, atol=1e-5)
+    print("ok")
+    """
+)
+
+
+def test_the_fused_rotary_kernel_gives_the_torch_path_under_the_interpreter(tiny_model_dir):
+    """The engine's Triton rotary on q/k views of the fused q/k/v output (the GPU path), in
+    fp32 under Triton's CPU interpreter (a fresh process: it must be on before the import)."""
+    result = subprocess.run([sys.executable, "-c", TRITON_ROTARY, str(tiny_model_dir("qwen3_vl"))],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 def test_the_engine_runs_our_tower_and_quantize_vision_converts_its_linear_layers(tiny_model_dir):
