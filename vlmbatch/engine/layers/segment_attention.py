@@ -6,7 +6,7 @@ batch of 50 images costs ~25,000 small kernel launches per forward. Its varlen b
 taken for attention implementations whose name contains "flash", hands over all windows
 at once with `cu_seqlens`; this implementation, registered under such a name, groups
 the windows by length and runs one batched SDPA per group (same math, any device).
-Qwen2-VL's `transformers` tower uses it; our Qwen2.5-VL tower calls `attend_segments`.
+Qwen2-VL's `transformers` tower uses it; our Qwen2.5-VL and Qwen3-VL towers call `attend_segments`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ fp32 on the CPU and the bf16 engine against transformers on the GPU).
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +28,11 @@ from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.norm import RMSNorm
-from vlmbatch.engine.layers.segment_attention import attend_segments
+from vlmbatch.engine.layers.vision import Grids, LayoutCache, VisionAttention, merge_block_positions, rotary_tables
 
 # Gated-MLP widths are padded to a multiple of this many elements (Qwen2.5-VL's 3420 rows
 # are not 16-byte aligned; 64 is also a multiple of cuBLAS's tile sizes).
 MLP_ALIGNMENT = 64
-_LAYOUT_CACHE_SIZE = 8
 
 
 @functools.lru_cache(maxsize=256)
@@ -42,10 +40,7 @@ def _grid_layout(t: int, h: int, w: int, merge: int, window: int) -> tuple[torch
     """One image's (or video's) layout: patch positions [t*h*w, 2] (row, column; patches in
     merge-block order as the processor emits them), the window order of its merged tokens,
     and the windows' lengths in patches. `window` is the window side in merged tokens."""
-    rows = torch.arange(h).view(h, 1).expand(h, w)
-    cols = torch.arange(w).view(1, w).expand(h, w)
-    blocks = (h // merge, merge, w // merge, merge)
-    positions = torch.stack([p.reshape(blocks).transpose(1, 2).flatten() for p in (rows, cols)], dim=-1).repeat(t, 1)
+    positions = merge_block_positions(h, w, merge).repeat(t, 1)
     mh, mw = h // merge, w // merge
     pad_h, pad_w = -mh % window, -mw % window
     index = F.pad(torch.arange(t * mh * mw).view(t, mh, mw), (0, pad_w, 0, pad_h), value=-1)
@@ -66,22 +61,6 @@ class BatchLayout:
     restore_order: torch.Tensor  # its inverse: back to the processor's order
     window_lengths: tuple[int, ...]  # windowed layers attend within these (patches)
     frame_lengths: tuple[int, ...]  # full-attention layers attend within each frame
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, rotary: Callable):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.scale = self.head_dim**-0.5
-        self.rotary = rotary
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = self.rotary(q, k, cos, sin)
-        q, k = q.to(v.dtype), k.to(v.dtype)  # the torch path computes in float32 (cos is float32)
-        return self.proj(attend_segments(q, k, v, lengths, self.scale).reshape(x.shape))
 
 
 class VisionMLP(nn.Module):
@@ -128,7 +107,7 @@ class QwenVisionTower(nn.Module):
         self.merger_fc1 = nn.Linear(dim * self.merge**2, dim * self.merge**2)
         self.merger_fc2 = nn.Linear(dim * self.merge**2, config.out_hidden_size)
         self.inv_freq = torch.empty(0)  # a plain attribute: `.to(bfloat16)` must not round it
-        self._layouts: OrderedDict[tuple, BatchLayout] = OrderedDict()
+        self.layout = LayoutCache(self._layout)
 
     @classmethod
     def from_hf(cls, visual: nn.Module, device: torch.device, dtype: torch.dtype, kernels: KernelSet) -> "QwenVisionTower":
@@ -161,16 +140,11 @@ class QwenVisionTower(nn.Module):
         self.merger_fc1.load_state_dict(visual.merger.mlp[0].state_dict())
         self.merger_fc2.load_state_dict(visual.merger.mlp[2].state_dict())
 
-    def layout(self, grids: torch.Tensor) -> BatchLayout:
-        """The batch layout of `grids` [items, 3] (t, h, w in patches), cached: batch jobs
-        repeat the same few combinations of image sizes."""
-        key = tuple(map(tuple, grids.tolist()))
-        cached = self._layouts.get(key)
-        if cached is not None:
-            self._layouts.move_to_end(key)
-            return cached
+    def _layout(self, grids: Grids) -> BatchLayout:
+        """The batch layout of `grids`, cached by `self.layout`: batch jobs repeat the same
+        few combinations of image sizes."""
         positions, orders, window_lengths, frame_lengths, offset = [], [], [], [], 0
-        for t, h, w in key:
+        for t, h, w in grids:
             item_positions, order, lengths = _grid_layout(t, h, w, self.merge, self.window)
             positions.append(item_positions)
             orders.append(order + offset)
@@ -181,16 +155,9 @@ class QwenVisionTower(nn.Module):
         window_order = torch.cat(orders)
         unit = self.merge**2
         ordered = torch.cat(positions).view(-1, unit, 2)[window_order].view(-1, 2).to(device)
-        freqs = (ordered.unsqueeze(-1).float() * self.inv_freq).flatten(1)  # [patches, (row, col) x head_dim / 4]
-        freqs = torch.cat((freqs, freqs), dim=-1)
-        layout = BatchLayout(
-            freqs.cos(), freqs.sin(), window_order.to(device), torch.argsort(window_order).to(device),
-            tuple(window_lengths), tuple(frame_lengths),
-        )  # fmt: skip
-        self._layouts[key] = layout
-        if len(self._layouts) > _LAYOUT_CACHE_SIZE:
-            self._layouts.popitem(last=False)
-        return layout
+        cos, sin = rotary_tables(ordered, self.inv_freq)
+        return BatchLayout(cos, sin, window_order.to(device), torch.argsort(window_order).to(device),
+                           tuple(window_lengths), tuple(frame_lengths))
 
     @torch.no_grad()
     def forward(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Qwen2-VL in the paged engine: the checkpoint's own vision tower, M-RoPE positions.
 
-`QwenVL` holds what Qwen2-VL and Qwen2.5-VL share (placeholders, encoding through the
-tower, `transformers`' own position rules); Qwen2-VL keeps `transformers`' tower with its
-windows attended in one call per length (`segment_attention.use_packed_attention`).
+`QwenVL` holds what the Qwen-VL families share (placeholders, encoding through the tower,
+`transformers`' own position rules, and the hookup of a tower of ours where a family has
+one: Qwen2.5-VL, Qwen3-VL); Qwen2-VL keeps `transformers`' tower with its windows attended
+in one call per length (`segment_attention.use_packed_attention`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ class QwenVL(VisionLanguageModel):
     """Dynamic-resolution ViT with 2x2 merge in front of a Qwen2 decoder with M-RoPE."""
 
     mrope = True
+    # Our tower (`from_hf(visual, device, dtype, kernels)`, called as `tower(pixels, grids)`)
+    # in place of `transformers`' one, whose weights it takes over; None keeps theirs.
+    tower_class: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tower = None
+        if self.tower_class is not None:
+            weight = self.decoder.embed_tokens.weight
+            self.tower = self.tower_class.from_hf(self.hf.model.visual, weight.device, weight.dtype, self.kernels)
+            self.hf.model.visual = None  # ours holds the weights now
+
+    def vision_modules(self) -> list[torch.nn.Module]:
+        return [self.tower] if self.tower is not None else super().vision_modules()
 
     @classmethod
     def decoder_spec(cls, text_config: Any) -> DecoderSpec:
@@ -43,6 +58,8 @@ class QwenVL(VisionLanguageModel):
         return self.tower_features(kind, pixels, grids)
 
     def tower_features(self, kind: str, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        if self.tower is not None:
+            return self.tower(pixels, grids)
         encode = self.hf.model.get_image_features if kind == IMAGE else self.hf.model.get_video_features
         return pooled(encode(pixels, grids.to(self.device)))
 

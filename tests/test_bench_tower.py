@@ -1,0 +1,32 @@
+"""`vlmbatch bench tower` on the CPU with the tiny Qwen3-VL shape (the device run's code path), and its refusal of families without a tower of ours."""
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from vlmbatch.cli.commands import app
+
+
+def test_bench_tower_times_both_towers_and_compares_them(tmp_path):
+    out = tmp_path / "tower.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny_qwen3_vl", "--images", "2", "--device", "cpu",
+                                          "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["family"] == "qwen3_vl" and report["images"] == 2 and report["dtype"] == "float32"
+    assert len(report["relative_error_per_level"]) == 3 and report["relative_error"] <= 1e-5  # merged + 2 DeepStack levels
+    for tower in ("transformers", "vlmbatch"):
+        assert len(report[tower]["times_ms"]) == 5 and report[tower]["ms_per_image"] > 0 and report[tower]["flops"] > 0
+    assert "vlmbatch" in result.output and "ms / image" in result.output
+
+
+def test_bench_tower_refuses_a_family_without_a_tower_of_ours():
+    result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny_internvl", "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "internvl family runs transformers' vision tower" in result.output and "qwen3_vl_8b" in result.output

@@ -1,0 +1,165 @@
+"""`vlmbatch bench tower`: our vision tower against `transformers`' on the same weights and images.
+
+    vlmbatch bench tower [--model-shape qwen3_vl_8b] [--images 64] [--device auto] [--json bench-out/tower.json]
+
+One `transformers` model of the shape with random weights (bf16 on a GPU, fp32 on the
+CPU; its language model dropped once built); our tower (the family's `tower_class`) is
+built from its vision weights as the engine builds it, with the engine's kernels. Both
+encode the same batch of W1 images (448x448 through the model's own processor, as a
+prefill step hands them over): a warm-up call, then the median of 5 timed calls each.
+Printed and written: ms per image, the FLOPs of one call (`FlopCounterMode`; it counts
+SDPA's on the GPU, not the CPU's SDPA kernel) and TFLOP/s,
+and the relative L2 error of ours against `transformers`' output (each block of columns:
+the merged features, then each DeepStack level), which should be bf16 rounding.
+
+Only shapes whose family has a tower of ours run (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE);
+others are refused, naming those that do.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmbatch.bench.shapes import SHAPES, ModelShape, ShapeError
+
+TIMED_CALLS = 5
+WORKLOAD_SEED = 7
+
+
+def tower_class(family: str) -> Any:
+    """The family's own vision tower class, or None where the engine runs `transformers`'."""
+    from vlmbatch.families.registry import FAMILIES
+
+    registered = FAMILIES.get(family)
+    return None if registered is None else getattr(registered.parts().ENGINE_MODEL, "tower_class", None)
+
+
+def check_shape(shape: ModelShape) -> None:
+    """`ShapeError` unless `shape`'s family has a tower of ours."""
+    if tower_class(shape.family) is None:
+        ours = sorted(name for name, s in SHAPES.items() if tower_class(s.family) is not None)
+        raise ShapeError(f"{shape.name}: the {shape.family} family runs transformers' vision tower, there is none of ours "
+                         f"to compare; shapes whose family has one: {', '.join(ours)}")
+
+
+def transformers_features(hf_model: torch.nn.Module, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    """What the engine took from `transformers`' tower before it had its own: the merged
+    features, then each DeepStack level (Qwen3-VL), side by side."""
+    from vlmbatch.engine.vision_language import pooled
+
+    if getattr(hf_model.config.vision_config, "deepstack_visual_indexes", None):
+        output = hf_model.model.get_image_features(pixels, grids, return_dict=True)
+        return torch.cat([torch.cat(output.pooler_output), *[torch.cat(level) for level in output.deepstack_features]], dim=-1)
+    return pooled(hf_model.model.get_image_features(pixels, grids))
+
+
+def w1_batch(path: Path, images: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixels (on `device`, in `dtype`) and grids of `images` W1 images, through the product's adapter."""
+    from vlmbatch.bench.adapt import engine_prompts
+    from vlmbatch.bench.workloads import build_workload
+    from vlmbatch.families.registry import load_adapter
+
+    adapter = load_adapter(str(path))
+    items = [item for prompt in engine_prompts(build_workload("w1", adapter, images, WORKLOAD_SEED), adapter, dtype)
+             for item in prompt.media]
+    pixels = torch.cat([item.tensors["pixel_values"] for item in items]).to(device)
+    return pixels, torch.cat([item.tensors["image_grid_thw"] for item in items])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def time_tower(encode, device: torch.device, images: int) -> dict[str, Any]:
+    """A warm-up call, then the median of `TIMED_CALLS`, and the FLOPs of one call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    encode()
+    times = []
+    for _ in range(TIMED_CALLS):
+        _sync(device)
+        start = time.perf_counter()
+        encode()
+        _sync(device)
+        times.append(1000 * (time.perf_counter() - start))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        encode()
+    median = statistics.median(times)
+    flops = counter.get_total_flops()
+    return {"median_ms": median, "ms_per_image": median / images, "times_ms": times, "flops": flops,
+            "tflops_per_s": flops / median / 1e9}
+
+
+@torch.no_grad()
+def run_tower_bench(shape: ModelShape, images: int, device: torch.device) -> dict[str, Any]:
+    """Both towers on one W1 batch of `images`; the report `run` prints and writes."""
+    from vlmbatch.bench.shapes import random_hf_model, write_model_folder
+    from vlmbatch.config import EngineConfig
+    from vlmbatch.engine.attention import resolve_backend
+    from vlmbatch.engine.kernel_choice import choose_kernels
+
+    check_shape(shape)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_model_folder(shape, Path(tmp))
+        pixels, grids = w1_batch(path, images, dtype, device)
+        hf_model = random_hf_model(path, dtype, device)
+    hf_model.model.language_model, hf_model.lm_head = None, None  # only the tower is timed
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    backend, _ = resolve_backend("auto", device)
+    kernels = choose_kernels(EngineConfig(), device, backend)
+    tower = tower_class(shape.family).from_hf(hf_model.model.visual, device, dtype, kernels)
+    grids_on_device = grids.to(device)
+    theirs = transformers_features(hf_model, pixels, grids_on_device)
+    ours = tower(pixels, grids)
+    levels = 1 + len(getattr(hf_model.config.vision_config, "deepstack_visual_indexes", None) or [])
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(ours.chunk(levels, -1), theirs.chunk(levels, -1))]
+    del ours, theirs
+    report = {
+        "benchmark": "tower", "model_shape": shape.name, "family": shape.family, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."), "kernels": kernels.describe(), "images": images,
+        "patches": int(grids.prod(-1).sum()), "grids": sorted({tuple(g) for g in grids.tolist()}),
+        "relative_error": max(errors), "relative_error_per_level": errors,
+        "transformers": time_tower(lambda: transformers_features(hf_model, pixels, grids_on_device), device, images),
+        "vlmbatch": time_tower(lambda: tower(pixels, grids), device, images),
+    }
+    report["speedup"] = report["transformers"]["median_ms"] / report["vlmbatch"]["median_ms"]
+    return report
+
+
+def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | None) -> dict[str, Any]:
+    """The command: the bench, its table on stdout, the report written to `json_out`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    report = run_tower_bench(shape, images, device)
+    table = Table(title=f"vision tower: {shape.name}, {images} W1 images ({report['patches']:,} patches), "
+                        f"{report['dtype']} on {report['device_name']}")
+    for column in ("tower", "ms / image", "ms / batch", "GFLOP / image", "TFLOP/s", "speed-up"):
+        table.add_column(column, justify="right")
+    for name in ("transformers", "vlmbatch"):
+        row = report[name]
+        speedup = report["transformers"]["median_ms"] / row["median_ms"]
+        table.add_row(name, f"{row['ms_per_image']:.3f}", f"{row['median_ms']:.1f}", f"{row['flops'] / images / 1e9:.3g}",
+                      f"{row['tflops_per_s']:.3g}", f"{speedup:.2f}x")
+    console = Console()
+    console.print(table)
+    levels = ", ".join(f"{e:.2e}" for e in report["relative_error_per_level"])
+    console.print(f"relative error, ours vs transformers (merged, then each DeepStack level): {levels}")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+    return report
