@@ -155,8 +155,11 @@ class EngineConfig(Options):
     attention_backend: str = option("auto", "VLMBATCH_ATTENTION_BACKEND", parse=_lower, choices=ATTENTION_BACKENDS,
                                     help="paged attention kernels; auto: triton on CUDA, torch elsewhere")
     max_num_seqs: int | None = option(None, "VLMBATCH_MAX_NUM_SEQS", parse=_optional(int),
-                                      help="most requests in one batch (default: 256 paged, 64 hf)")
-    max_num_batched_tokens: int = option(8192, "VLMBATCH_MAX_NUM_BATCHED_TOKENS", help="token budget of one prefill step")
+                                      help="most requests in one batch (default paged: 1024 on a GPU of >= 70 GiB, "
+                                           "else 256; hf: 64)")
+    max_num_batched_tokens: int | None = option(None, "VLMBATCH_MAX_NUM_BATCHED_TOKENS", parse=_optional(int),
+                                                help="token budget of one prefill step (default: 16384 on a GPU of "
+                                                     ">= 70 GiB, else 8192)")
     max_model_len: int | None = option(None, "VLMBATCH_MAX_MODEL_LEN", parse=_optional(int),
                                        help="context length cap (default: the model's)")
     gpu_memory_utilization: float = option(0.9, "VLMBATCH_GPU_MEMORY_UTILIZATION",

@@ -65,8 +65,8 @@ class BenchOptions:
     decode_batches: tuple[int, ...] = (1, 64)
     extra_shapes: tuple[str, ...] = ("qwen2_5_vl_7b",)  # decode roofline only
     profile_batches: tuple[int, ...] = ()  # decode batch sizes whose kernels are profiled (main shape)
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384
+    max_num_seqs: int | None = None  # None: the product's default for the device (`paged.scheduler_limits`)
+    max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.85
     min_admission_batch: int = 64
     async_decode: bool = True  # False: every decode step awaited
@@ -177,7 +177,7 @@ def _check_row(name: str, errors: dict[str, Any], bound: float) -> str:
             f"-> {'ok' if errors['ok'] else 'FAIL'}")
 
 
-def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device: torch.device, max_num_seqs: int | None,
             load_format: str | None = None):
     return adapt.paged_engine(
         adapter, hf_model, dtype=dtype, device=device, max_model_len=workload_prompt_tokens(adapter) + W2_OUTPUT_RANGE[1],
