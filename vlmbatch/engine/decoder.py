@@ -6,9 +6,10 @@ in fp32, and extra norms after attention and after the MLP), the activation (SiL
 GeGLU), an embedding scale, per-layer attention (sliding window or global, each with its
 own RoPE base), the attention scale, a final logit soft cap, the position scheme (M-RoPE
 or 1-D RoPE) and the MLP (dense, or a mixture of experts), so one implementation serves
-them: the family says which in a `DecoderSpec`, and nothing here names a family. Weights are taken from the `transformers` model of the same
-checkpoint, with q/k/v and gate/up fused into one matmul each, layer by layer, dropping
-each `transformers` layer once copied so the two copies never coexist whole.
+them: the family says which in a `DecoderSpec`, and nothing here names a family. Weights
+are loaded by `transformers`' names, from its model of the same checkpoint or straight
+from the checkpoint's files (`weight_loading.py`), into a decoder built on "meta", with
+q/k/v and gate/up fused into one matmul each, layer by layer.
 
 DeepStack (Qwen3-VL) adds a vision feature level to the hidden states at the media
 positions after each of the first layers; a prefill step passes those rows as `DeepStack`.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from vlmbatch.engine.layers.embedding import ScaledEmbedding
 from vlmbatch.engine.layers.linear import Linear
 from vlmbatch.engine.layers.norm import OffsetRMSNorm, RMSNorm
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from vlmbatch.engine.weight_loading import WeightLoader
 
 # Where the skinny-GEMM kernel beat cuBLAS on the H200 (`vlmbatch bench kernels --sections
 # linear`, BENCHMARKS.md): the MLP's gate/up and the LM head, up to 16 rows, with these
@@ -94,15 +98,12 @@ class Attention(nn.Module):
         self.window = layer.window
         self.rotary: Callable = kernels.rotary
 
-    @torch.no_grad()
-    def load_from_hf(self, theirs: nn.Module) -> None:
-        self.qkv_proj.weight.copy_(torch.cat([theirs.q_proj.weight, theirs.k_proj.weight, theirs.v_proj.weight]))
-        if self.qkv_proj.bias is not None:
-            self.qkv_proj.bias.copy_(torch.cat([theirs.q_proj.bias, theirs.k_proj.bias, theirs.v_proj.bias]))
-        self.o_proj.weight.copy_(theirs.o_proj.weight)
+    def load_weights(self, weights: WeightLoader, prefix: str) -> None:
+        self.qkv_proj = weights.linear(self.qkv_proj, [f"{prefix}.{p}_proj" for p in "qkv"])
+        self.o_proj = weights.linear(self.o_proj, [f"{prefix}.o_proj"])
         if self.q_norm is not None:
-            self.q_norm.weight.copy_(theirs.q_norm.weight)
-            self.k_norm.weight.copy_(theirs.k_norm.weight)
+            weights.param(self.q_norm, "weight", f"{prefix}.q_norm.weight")
+            weights.param(self.k_norm, "weight", f"{prefix}.k_norm.weight")
 
     def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -130,10 +131,9 @@ class MLP(nn.Module):
             raise ValueError(f"unsupported activation {activation!r}; the decoder has {', '.join(activations)}")
         self.act: Callable = activations[activation]
 
-    @torch.no_grad()
-    def load_from_hf(self, theirs: nn.Module) -> None:
-        self.gate_up_proj.weight.copy_(torch.cat([theirs.gate_proj.weight, theirs.up_proj.weight]))
-        self.down_proj.weight.copy_(theirs.down_proj.weight)
+    def load_weights(self, weights: WeightLoader, prefix: str) -> None:
+        self.gate_up_proj = weights.linear(self.gate_up_proj, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = weights.linear(self.down_proj, [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -158,13 +158,12 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = spec.norm(hidden, eps, kernels) if spec.sandwich_norms else None
         self.mlp = spec.mlp(cfg, layer, kernels) if spec.mlp else dense_mlp(cfg, layer, kernels, spec.activation)
 
-    @torch.no_grad()
-    def load_from_hf(self, theirs: nn.Module) -> None:
+    def load_weights(self, weights: WeightLoader, prefix: str) -> None:
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             if getattr(self, name) is not None:
-                getattr(self, name).weight.copy_(getattr(theirs, name).weight)
-        self.self_attn.load_from_hf(theirs.self_attn)
-        self.mlp.load_from_hf(theirs.mlp)
+                weights.param(getattr(self, name), "weight", f"{prefix}.{name}.weight")
+        self.self_attn.load_weights(weights, f"{prefix}.self_attn")
+        self.mlp.load_weights(weights, f"{prefix}.mlp")
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
         h, residual = self.input_layernorm(x, residual)
@@ -200,14 +199,19 @@ class Decoder(nn.Module):
             raise ValueError(f"layers use rotary embeddings {sorted(missing)} the decoder was not given")
 
     @torch.no_grad()
-    def load_from_hf(self, language_model: nn.Module, lm_head: nn.Module) -> None:
-        """Copy weights from a `transformers` text model, releasing each of its layers once copied."""
-        self.embed_tokens.weight.copy_(language_model.embed_tokens.weight)
-        self.norm.weight.copy_(language_model.norm.weight)
-        self.lm_head.weight.copy_(lm_head.weight)
-        for i, ours in enumerate(self.layers):
-            ours.load_from_hf(language_model.layers[i])
-            language_model.layers[i] = nn.Identity()
+    def load_weights(self, weights: WeightLoader, tied: bool = False) -> None:
+        """Every weight, from a decoder built on "meta", layer by layer (`weight_loading.py`:
+        transformers' names, each source layer released once ours holds it). `tied`: the
+        LM head is the token embedding where the source has no `lm_head.weight`."""
+        weights.param(self.embed_tokens, "weight", "embed_tokens.weight")
+        if isinstance(self.embed_tokens, ScaledEmbedding):
+            self.embed_tokens.place_scale(weights.device, weights.dtype)
+        weights.param(self.norm, "weight", "norm.weight")
+        if not weights.param(self.lm_head, "weight", "lm_head.weight", required=not tied):
+            self.lm_head.weight = self.embed_tokens.weight
+        for i, layer in enumerate(self.layers):
+            layer.load_weights(weights, f"layers.{i}")
+            weights.source.release_layer(i)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 metas: list[AttentionMetadata], backend: AttentionBackend, deepstack: DeepStack | None = None) -> torch.Tensor:

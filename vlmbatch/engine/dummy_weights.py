@@ -1,8 +1,9 @@
 """Random weights built where they run (`EngineConfig.load_format == "dummy"`), for benchmarks.
 
 A model whose compute-dtype copy does not fit beside its FP8 one (Qwen2.5-VL-72B: 146 GB
-in bf16 on a 141 GB H200) cannot be built the normal way, by transformers and then
-converted. Here transformers builds only what the engine keeps of it (the vision tower and
+in bf16 on a 141 GB H200) cannot be built by transformers and then converted; a
+pre-quantized checkpoint streams its real weights instead (`weight_loading.py`), and this
+module stands in for those weights, the same way. Here transformers builds only what the engine keeps of it (the vision tower and
 the position rules) with a one-layer language model (`dummy_hf_model`), our decoder of the
 full depth is built on the "meta" device, and every tensor is then created on the device
 in its final form: FP8 projections directly as random e4m3 values with their scales (no
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
+from vlmbatch.engine.layers.embedding import ScaledEmbedding
 from vlmbatch.engine.layers.fp8_linear import GROUP, Fp8Linear
 from vlmbatch.engine.layers.linear import Linear
 from vlmbatch.families.registry import load_config
@@ -59,6 +61,8 @@ def materialize(decoder: nn.Module, device: torch.device, dtype: torch.dtype, sc
             if type(child) is Linear and name != "lm_head" and fp8:
                 setattr(parent, name, _random_fp8(child, scheme, device, dtype, kernels))
     for module in decoder.modules():
+        if isinstance(module, ScaledEmbedding):
+            module.place_scale(device, dtype)
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
                 value = torch.empty(param.shape, device=device, dtype=dtype)

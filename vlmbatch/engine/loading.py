@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
 from vlmbatch.errors import JobError
@@ -30,20 +33,73 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
 
 
 def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-                  raw_fp8: bool = False) -> torch.nn.Module:
+                  skip: tuple[str, ...] = ()) -> torch.nn.Module:
     """`AutoModelForImageTextToText` in eval mode with SDPA attention, on `device`.
-    `raw_fp8`: load an FP8 checkpoint without its `quantization_config`, so transformers
-    builds plain modules (its quantized weights then hold the raw fp8 values, unscaled)
-    and our loader reads the fp8 weights and scales itself (`fp8_loading.py`)."""
+
+    `skip`: modules (dotted names, e.g. `("model.language_model", "lm_head")`) that
+    transformers builds on the "meta" device and never reads from the checkpoint, for a
+    pre-quantized FP8 checkpoint whose language model our decoder streams from its
+    safetensors itself (`weight_loading.CheckpointTensors`): transformers would otherwise
+    build that language model in the compute dtype first (146 GB for a 72B model). The
+    rest (vision tower, projector, rotary buffers) is loaded as usual, straight onto
+    `device`; the checkpoint's `quantization_config` is dropped (the FP8 releases leave
+    those modules unquantized)."""
     from transformers import AutoModelForImageTextToText
 
     config = load_config(str(model), trust_remote_code)  # the clear "model not found" error first
-    if raw_fp8 and hasattr(config, "quantization_config"):
+    if not skip:
+        hf_model = AutoModelForImageTextToText.from_pretrained(
+            model, config=config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+        )
+        return hf_model.to(device).eval()
+    if hasattr(config, "quantization_config"):
         del config.quantization_config
-    hf_model = AutoModelForImageTextToText.from_pretrained(
-        model, config=config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
-    )
-    return hf_model.to(device).eval()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cls = _without(_model_class(config, str(model), trust_remote_code), skip)
+    report = logging.getLogger("transformers.modeling_utils")  # its load report lists every skipped key as unexpected
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        hf_model, info = cls.from_pretrained(
+            model, config=config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+            device_map={"": device}, output_loading_info=True,
+        )  # fmt: skip
+    finally:
+        report.setLevel(level)
+    missing = sorted(set(info.get("missing_keys") or ()) | set(info.get("mismatched_keys") or ()))
+    if missing:
+        raise JobError(f"cannot load {model}: the checkpoint lacks (or has other shapes for) {', '.join(missing[:5])}")
+    return hf_model.eval()
+
+
+def _model_class(config: Any, model: str, trust_remote_code: bool) -> type:
+    """The class `AutoModelForImageTextToText` would build for `config`."""
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and "AutoModelForImageTextToText" in auto_map:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(auto_map["AutoModelForImageTextToText"], model)
+    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        raise JobError(f"cannot load {model}: transformers has no image-text-to-text model for {type(config).__name__}")
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+
+
+def _without(cls: type, skip: tuple[str, ...]) -> type:
+    """`cls` whose `state_dict` leaves out the parameters and buffers under `skip`.
+    transformers loads exactly the keys of the model's state dict: the skipped ones are
+    neither read (the checkpoint's keys for them are "unexpected") nor allocated (not
+    "missing"), so they stay on the "meta" device the model is built on. The subclass takes
+    `cls`'s name and module, so transformers applies `cls`'s checkpoint key conversions."""
+    prefixes = tuple(name + "." for name in skip)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        full = cls.state_dict(self, *args, **kwargs)
+        return type(full)((key, value) for key, value in full.items() if not key.startswith(prefixes))
+
+    return type(cls.__name__, (cls,), {"state_dict": state_dict, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def quantization_scheme(model: str, quantization: str = "none", quantize_vision: bool = False,

@@ -39,7 +39,6 @@ from vlmbatch.engine.block_manager import BlockManager
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import choose_kernels
 from vlmbatch.engine.dummy_weights import dummy_hf_model
-from vlmbatch.engine.fp8_loading import Fp8Load, read_fp8_weights
 from vlmbatch.engine.loading import load_hf_model, quantization_scheme, resolve_device, resolve_dtype
 from vlmbatch.engine.multimodal import place_media
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -49,6 +48,7 @@ from vlmbatch.engine.scheduler import ScheduledBatch, Scheduler
 from vlmbatch.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from vlmbatch.engine.stopping import IncrementalDetokenizer, find_stop
 from vlmbatch.engine.structured_decoding import StructuredDecoding
+from vlmbatch.engine.weight_loading import CheckpointTensors
 from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.families.adapter import ModelAdapter
 from vlmbatch.families.prompt import PreparedPrompt
@@ -128,13 +128,15 @@ class PagedEngine(Engine):
         scheme = quantization_scheme(adapter.model_path, config.quantization, config.quantize_vision, config.trust_remote_code)
         dummy = config.load_format == "dummy"
         prequantized = scheme is not None and scheme.prequantized and not dummy
+        engine_model = adapter.family.parts().ENGINE_MODEL
         if hf_model is None and dummy:
             hf_model = dummy_hf_model(adapter.model_path, dtype, device, config.trust_remote_code)
-        elif hf_model is None:
-            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code, raw_fp8=prequantized)
+        elif hf_model is None:  # a pre-quantized checkpoint: transformers never builds its language model (`weight_loading.py`)
+            skip = (f"model.{engine_model.language_model_attr}", "lm_head") if prequantized else ()
+            hf_model = load_hf_model(adapter.model_path, dtype, device, config.trust_remote_code, skip=skip)
         image_decoder = EncodedImageDecoder(adapter.model_path, device)
-        fp8 = Fp8Load(scheme, read_fp8_weights(adapter.model_path, scheme) if prequantized else None) if scheme else None
-        self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder, fp8, dummy)
+        checkpoint = CheckpointTensors(adapter.model_path) if prequantized else None
+        self.model = engine_model.build(hf_model, device, dtype, kernels, image_decoder, scheme, checkpoint, dummy)
         self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, max_num_batched_tokens,

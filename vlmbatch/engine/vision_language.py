@@ -21,11 +21,13 @@ from torch import nn
 
 from vlmbatch.engine.decoder import Decoder, DecoderSpec
 from vlmbatch.engine.dummy_weights import materialize
-from vlmbatch.engine.fp8_loading import Fp8Load, apply_fp8, quantize_linears
+from vlmbatch.engine.fp8_loading import quantize_linears
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
+from vlmbatch.engine.weight_loading import CheckpointTensors, ModuleTensors, WeightLoader
 from vlmbatch.families.prompt import MediaItem
+from vlmbatch.quantization import Fp8Scheme
 
 log = logging.getLogger(__name__)
 
@@ -69,31 +71,39 @@ class VisionLanguageModel(ABC):
 
     @classmethod
     def build(cls, hf_model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: KernelSet,
-              image_decoder: EncodedImageDecoder, fp8: Fp8Load | None = None, dummy: bool = False) -> VisionLanguageModel:
-        """Our decoder with the weights of `hf_model`'s language model, which is then dropped
-        (only the vision tower and the position rules are kept from `transformers`).
-        `fp8`: the decoder's linear layers in FP8 (`fp8_loading.apply_fp8`), and with
-        `quantize_vision` the tower's too. `dummy`: random weights instead of `hf_model`'s
-        (`dummy_weights.py`: the decoder built on "meta", each tensor then made on `device`
-        in its final dtype), for `load_format="dummy"`."""
+              image_decoder: EncodedImageDecoder, fp8: Fp8Scheme | None = None, checkpoint: CheckpointTensors | None = None,
+              dummy: bool = False) -> VisionLanguageModel:  # fmt: skip
+        """Our decoder, built on "meta" and loaded tensor by tensor (`weight_loading.py`): from
+        `checkpoint` (a pre-quantized FP8 checkpoint's files, whose language model
+        transformers never built), else from `hf_model`'s language model. transformers' text
+        model is then dropped (only the vision tower and the position rules are kept from it).
+        `fp8`: the decoder's projections in FP8 (`fp8_loading.py`), and with `quantize_vision`
+        the tower's too. `dummy`: random weights (`dummy_weights.py`: each tensor made on
+        `device` in its final dtype), for `load_format="dummy"`."""
         language_model = getattr(hf_model.model, cls.language_model_attr)
         text_config = hf_model.config.get_text_config()
         rotary = cls.rotary_embeddings(language_model.rotary_emb, text_config)
-        with torch.device("meta" if dummy else device):
+        with torch.device("meta"):
             decoder = Decoder(text_config, rotary, cls.decoder_spec(text_config), kernels).to(dtype)
         if dummy:
-            materialize(decoder, device, dtype, fp8.scheme if fp8 else None, kernels)
+            materialize(decoder, device, dtype, fp8, kernels)
         else:
-            decoder.load_from_hf(language_model, hf_model.lm_head)
+            source = checkpoint if checkpoint is not None else ModuleTensors(language_model, hf_model.lm_head)
+            weights = WeightLoader(source, device, dtype, kernels, fp8)
+            decoder.load_weights(weights, tied=bool(getattr(hf_model.config, "tie_word_embeddings", False)))  # as transformers ties
+            weights.finish(decoder)
+            if checkpoint is not None:
+                log.info("decoder streamed from %d checkpoint file(s): %.2f GiB read, at most %.2f GiB of it held on the host",
+                         len(checkpoint.files), checkpoint.read_bytes / 2**30, checkpoint.peak_host_bytes / 2**30)
+            if fp8 is not None:
+                log.info("fp8: %d decoder projections / expert sets in FP8", weights.num_fp8)
         decoder.eval().requires_grad_(False)
-        if fp8 is not None and not dummy:
-            log.info("fp8: %d decoder linear layers / expert sets converted", apply_fp8(decoder, fp8.scheme, fp8.weights, kernels, dtype))
         setattr(hf_model.model, cls.language_model_attr, None)
         hf_model.lm_head = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
         model = cls(hf_model, decoder, kernels, image_decoder)
-        if fp8 is not None and fp8.scheme.quantize_vision:
+        if fp8 is not None and fp8.quantize_vision:
             log.info("fp8: %d vision linear layers converted", quantize_linears(model.vision_modules(), kernels, dtype))
         return model
 

@@ -39,7 +39,7 @@ class FusedMoE(nn.Module):
     ):  # fmt: skip
         """`kernels`: the `vlmbatch.kernels` module to run the experts as Triton kernels (a
         CUDA device, or the CPU under TRITON_INTERPRET=1), or None for the torch reference.
-        Build on the "meta" device to let `load_from_hf` adopt transformers' tensors."""
+        Build on the "meta" device to let `set_experts` adopt transformers' tensors."""
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         factory = {"device": device, "dtype": dtype}
@@ -76,23 +76,36 @@ class FusedMoE(nn.Module):
 
     @torch.no_grad()
     def load_from_hf(self, block: nn.Module) -> None:
-        """Take the weights of a transformers `Qwen3VLMoeTextSparseMoeBlock` without two full
-        copies of the experts: a block built on "meta" adopts transformers' tensors (shared
-        storage; the kernels need them row-major, else they are copied to new ones); a
-        materialised block copies them in, one expert at a time."""
-        gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+        """Take the weights of a transformers `Qwen3VLMoeTextSparseMoeBlock` (see `set_experts`)."""
+        gate_up = block.experts.gate_up_proj
+        self.set_experts(gate_up, block.experts.down_proj, gate_up.device, gate_up.dtype)
+        if self.gate.weight.is_meta:
+            self.gate.weight = nn.Parameter(block.gate.weight.detach(), requires_grad=False)
+        else:
+            self.gate.weight.copy_(block.gate.weight)
+
+    def load_weights(self, weights: Any, prefix: str) -> None:
+        """The router and experts from a `weight_loading.WeightLoader` (`prefix`: the block's name)."""
+        weights.experts(self, prefix)
+
+    @torch.no_grad()
+    def set_experts(self, gate_up: torch.Tensor, down: torch.Tensor, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> None:
+        """Expert weights in transformers' layout, without two full copies of them: a block
+        built on "meta" adopts the tensors when they are already what the kernels read
+        (row-major, on `device` in `dtype`: shared storage), else gets new ones there that
+        they are copied into one expert at a time; a materialised block copies them in."""
         if gate_up.shape != self.gate_up.shape or down.shape != self.down.shape:
             raise ValueError(f"expert weights {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit this block's {tuple(self.gate_up.shape)} / {tuple(self.down.shape)}")
         if self.gate_up.is_meta:
-            self.gate.weight = nn.Parameter(block.gate.weight.detach(), requires_grad=False)
-            if gate_up.is_contiguous() and down.is_contiguous():
+            device, dtype = torch.device(device or gate_up.device), dtype or gate_up.dtype
+            on_device = (device.type, device.index) in ((gate_up.device.type, gate_up.device.index), (gate_up.device.type, None))
+            if on_device and down.device == gate_up.device and all(t.is_contiguous() and t.dtype == dtype for t in (gate_up, down)):
                 self.gate_up = nn.Parameter(gate_up.detach(), requires_grad=False)
                 self.down = nn.Parameter(down.detach(), requires_grad=False)
                 return
-            self.gate_up = nn.Parameter(torch.empty_like(gate_up, memory_format=torch.contiguous_format), requires_grad=False)
-            self.down = nn.Parameter(torch.empty_like(down, memory_format=torch.contiguous_format), requires_grad=False)
-        else:
-            self.gate.weight.copy_(block.gate.weight)
+            self.gate_up = nn.Parameter(torch.empty(gate_up.shape, device=device, dtype=dtype), requires_grad=False)
+            self.down = nn.Parameter(torch.empty(down.shape, device=device, dtype=dtype), requires_grad=False)
         self.copy_experts(gate_up, down)
 
     @torch.no_grad()
