@@ -78,7 +78,8 @@ def dequantized_reference(original: Path, quantized: Path) -> torch.nn.Module:
         for base, weight in deq.items():
             if ".experts." in base:
                 continue
-            name = next(n for n in names if n.endswith(base.split("layers.", 1)[1] + ".weight") and "language_model" in n)
+            name = next(n for n in names if n.endswith("layers." + base.split("layers.", 1)[1] + ".weight")
+                        and ("language_model" in n or "text_model" in n))
             names[name].copy_(weight)
         for name, param in names.items():
             if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
@@ -92,13 +93,14 @@ def dequantized_reference(original: Path, quantized: Path) -> torch.nn.Module:
     return model
 
 
-def _assert_greedy_equal(engine_dir: Path, reference: torch.nn.Module, family: str, count: int = 6) -> None:
+def _assert_greedy_equal(engine_dir: Path, reference: torch.nn.Module, family: str, count: int = 6, **options) -> PagedEngine:
     adapter = load_adapter(str(engine_dir))
-    engine = PagedEngine(adapter, EngineConfig(**ENGINE))
+    engine = PagedEngine(adapter, EngineConfig(**ENGINE, **options))
     prepared, outputs = run_greedy(engine, adapter, build_requests(adapter, family, count, seed=5))
     assert sorted(outputs) == sorted(prepared)
     for request_id, (prompt, max_tokens) in prepared.items():
         assert outputs[request_id].outputs[0].token_ids == hf_greedy(reference, adapter, prompt, max_tokens), request_id
+    return engine
 
 
 def test_block_fp8_qwen2_5_vl_matches_transformers_own_loading(fp8_dir):
@@ -263,3 +265,136 @@ def test_submit_refuses_an_unsupported_checkpoint_format(fp8_dir, tmp_path):
     result = CliRunner().invoke(app, ["submit", str(dataset), "--model", str(model), "--output", str(tmp_path / "out")])
     assert result.exit_code != 0 and "quant_method 'gptq'" in result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# ---- streaming: transformers never builds an FP8 checkpoint's language model -----------------
+
+
+def _spy_build(monkeypatch, arch: str) -> dict:
+    """Record what `ENGINE_MODEL.build` is handed: the devices of transformers' language-model
+    parameters and of the others, and the checkpoint the decoder streams from."""
+    from vlmbatch.families.registry import FAMILIES
+
+    model_cls = FAMILIES[arch].parts().ENGINE_MODEL
+    original = model_cls.build.__func__
+    seen: dict = {}
+
+    def build(cls, hf_model, *args, **kwargs):
+        skipped = [*getattr(hf_model.model, cls.language_model_attr).parameters(), *hf_model.lm_head.parameters()]
+        seen["language_model"] = {p.device.type for p in skipped}
+        seen["rest"] = {p.device.type for p in hf_model.parameters() if all(p is not q for q in skipped)}
+        seen["checkpoint"] = args[5] if len(args) > 5 else kwargs.get("checkpoint")
+        return original(cls, hf_model, *args, **kwargs)
+
+    monkeypatch.setattr(model_cls, "build", classmethod(build))
+    return seen
+
+
+@pytest.mark.parametrize("arch, fmt", [("qwen2_5_vl", "fp8-block"), ("qwen3_vl_moe", "fp8-dynamic")])
+def test_fp8_checkpoint_language_model_is_never_built_by_transformers(fp8_dir, arch, fmt, monkeypatch):
+    """The old path built transformers' whole language model in the compute dtype (146 GB for
+    a 72B model) before our decoder existed: now every parameter of it stays on "meta"
+    (never allocated), the tower and projector are real, and the decoder is complete."""
+    seen = _spy_build(monkeypatch, arch)
+    engine = PagedEngine(load_adapter(str(fp8_dir(arch, fmt))), EngineConfig(**ENGINE))
+    assert seen["language_model"] == {"meta"} and seen["rest"] == {"cpu"}
+    assert seen["checkpoint"] is not None and not seen["checkpoint"].leftover()
+    assert all(not t.is_meta for t in (*engine.model.decoder.parameters(), *engine.model.decoder.buffers()))
+    assert engine.model.hf.lm_head is None and engine.model.hf.model.language_model is None
+
+
+def _layer_bytes(path: Path) -> tuple[dict[str, int], int, int]:
+    """Bytes of each decoder layer's tensors in the checkpoint, of its largest other
+    language-model tensor, and of all its language-model tensors."""
+    from safetensors import safe_open
+
+    from vlmbatch.engine.weight_loading import language_model_name
+
+    layers: dict[str, int] = {}
+    other = total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                name = language_model_name(key)
+                if name is None:
+                    continue
+                t = f.get_slice(key)
+                size = int(torch.tensor(t.get_shape()).prod()) * {"F8_E4M3": 1, "BF16": 2, "F32": 4}[t.get_dtype()]
+                total += size
+                if name.startswith("layers."):
+                    layer = name.split(".")[1]
+                    layers[layer] = layers.get(layer, 0) + size
+                else:
+                    other = max(other, size)
+    return layers, other, total
+
+
+def _reshard(source: Path, out: Path, files: int) -> Path:
+    """`source` split into `files` safetensors shards with an index, tensors dealt round-robin
+    (so a layer's q, k and v, and an expert's gate and up, sit in different shards)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, out)
+    (out / "model.safetensors").unlink()
+    tensors = load_file(str(source / "model.safetensors"))
+    shards: list[dict] = [{} for _ in range(files)]
+    for i, key in enumerate(sorted(tensors)):
+        shards[i % files][key] = tensors[key]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def test_sharded_fp8_checkpoint_streams_one_layer_at_a_time(fp8_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """A checkpoint in 3 shards, tensors dealt across them: the same greedy tokens as the
+    dequantized reference; each language-model tensor read once; and at no point more
+    checkpoint tensors alive on the host than one layer's (bf16 load, so none is adopted
+    as a final weight on this CPU)."""
+    torch.set_num_threads(1)
+    path = _reshard(fp8_dir("qwen2_5_vl", "fp8-dynamic"), tmp_path / "sharded", 3)
+    seen = _spy_build(monkeypatch, "qwen2_5_vl")
+    _assert_greedy_equal(path, dequantized_reference(tiny_model_dir("qwen2_5_vl"), path), "qwen2_5_vl", count=4)
+    layers, other, total = _layer_bytes(path)
+    assert seen["checkpoint"].read_bytes == total  # every language-model tensor, each once
+    from vlmbatch.engine.weight_loading import CheckpointTensors
+
+    held_between_layers = []
+    release = CheckpointTensors.release_layer
+
+    def release_layer(self, index):
+        held_between_layers.append(self.host_bytes)
+        release(self, index)
+
+    monkeypatch.setattr(CheckpointTensors, "release_layer", release_layer)
+    PagedEngine(load_adapter(str(path)), EngineConfig(**{**ENGINE, "dtype": "bfloat16"}))
+    checkpoint = seen["checkpoint"]
+    assert len(checkpoint.files) == 3 and checkpoint.peak_host_bytes <= max(max(layers.values()), other)
+    assert held_between_layers == [0] * len(layers) and checkpoint.host_bytes == 0  # nothing kept past its layer
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "llava", "idefics3", "gemma3", "internvl"])
+def test_fp8_checkpoint_of_each_decoder_layout_matches_the_dequantized_reference(fp8_dir, tiny_model_dir, arch, monkeypatch):
+    """The other decoder layouts (q/k norms, Llama and Gemma 3 layers, tied embeddings) and
+    checkpoint prefixes (`language_model.model.`, `model.text_model.`): streamed, and the
+    same greedy tokens as the original model with the dequantized weights written into it."""
+    torch.set_num_threads(1)
+    seen = _spy_build(monkeypatch, arch)
+    path = fp8_dir(arch, "fp8-block")
+    _assert_greedy_equal(path, dequantized_reference(tiny_model_dir(arch), path), arch, count=3)
+    assert seen["language_model"] == {"meta"} and not seen["checkpoint"].leftover()
+
+
+def test_streaming_refuses_a_checkpoint_missing_a_decoder_tensor(fp8_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model"
+    shutil.copytree(fp8_dir("qwen2_5_vl", "fp8-block"), path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(JobError, match="no tensor layers.1.mlp.down_proj.weight"):
+        PagedEngine(load_adapter(str(path)), EngineConfig(**ENGINE))

@@ -93,8 +93,8 @@ class VisionLanguageModel(ABC):
             decoder.load_weights(weights, tied=bool(getattr(hf_model.config, "tie_word_embeddings", False)))  # as transformers ties
             weights.finish(decoder)
             if checkpoint is not None:
-                log.info("decoder streamed from %d checkpoint file(s): %.2f GiB read, at most %.2f GiB of it held on the host",
-                         len(checkpoint.files), checkpoint.read_bytes / 2**30, checkpoint.peak_host_bytes / 2**30)
+                log.info("decoder streamed from %d checkpoint file(s): %.1f MiB read, at most %.1f MiB of it held on the host at once",
+                         len(checkpoint.files), checkpoint.read_bytes / 2**20, checkpoint.peak_host_bytes / 2**20)
             if fp8 is not None:
                 log.info("fp8: %d decoder projections / expert sets in FP8", weights.num_fp8)
         decoder.eval().requires_grad_(False)

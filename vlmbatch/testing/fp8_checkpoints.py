@@ -13,7 +13,8 @@ them, so the loader reads exactly what it would read from the hub:
   each weight float8_e4m3fn with a bf16 `weight_scale` [N, 1].
 
 The vision tower, the projector, `lm_head`, the MoE router and embeddings stay as they
-were (both formats' ignore lists name them). Mixture-of-experts weights are written one
+were (both formats' ignore lists name them), in every family: a SigLIP tower's layers,
+named like the language model's, too. Mixture-of-experts weights are written one
 expert per tensor (`mlp.experts.{e}.{gate,up,down}_proj.weight`), the layout of both
 Qwen3-VL-30B-A3B-Instruct-FP8 and llm-compressor's linearised experts.
 """
@@ -32,6 +33,9 @@ FORMATS = ("fp8-block", "fp8-dynamic")
 BLOCK = 128
 # The language model's dense linear weights (attention and MLP projections).
 _LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# The vision tower's and projector's keys, which both formats' ignore lists name (a SigLIP
+# tower's encoder layers have the same q/k/v/o and MLP names as the language model's).
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|connector)\.")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
 
@@ -57,7 +61,8 @@ def _loaded_experts(directory: Path, key: str) -> torch.Tensor:
 def quantization_config(fmt: str) -> dict:
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
-                "modules_to_not_convert": ["lm_head", "visual", "model.visual", "model.vision_tower", "model.multi_modal_projector", "mlp.gate"]}
+                "modules_to_not_convert": ["lm_head", "visual", "model.visual", "model.vision_tower", "model.vision_model",
+                                           "model.multi_modal_projector", "model.connector", "mlp.gate"]}
     scheme = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None, "actorder": None}
     return {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -66,7 +71,8 @@ def quantization_config(fmt: str) -> dict:
             "weights": {**scheme, "strategy": "channel", "dynamic": False, "observer": "minmax"},
             "input_activations": {**scheme, "strategy": "token", "dynamic": True, "observer": None},
         }},
-        "ignore": ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*", "re:.*mlp.gate$"],
+        "ignore": ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*vision_model.*", "re:.*multi_modal_projector.*",
+                   "re:.*connector.*", "re:.*mlp.gate$"],
         "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
     }  # fmt: skip
 
@@ -84,7 +90,7 @@ def quantize_checkpoint(directory: str | Path, fmt: str) -> Path:
         out: dict[str, torch.Tensor] = {}
         for key, tensor in tensors.items():
             fused = _FUSED_EXPERTS.match(key)
-            if _LINEAR.search(key):
+            if _LINEAR.search(key) and not _VISION.search(key):
                 out.update(_quantized(fmt, key, tensor))
             elif fused:  # one tensor per expert, from transformers' own reading of the fused tensor
                 for expert, weight in enumerate(_loaded_experts(directory, key)):
