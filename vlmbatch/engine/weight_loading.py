@@ -72,9 +72,11 @@ def checkpoint_files(model: str) -> list[Path]:
 class CheckpointTensors:
     """The language model's tensors in a checkpoint's safetensors files, read one at a time.
 
-    Only the files' headers are read up front. `host_bytes` / `peak_host_bytes` count the
-    bytes of the tensors handed out that are still alive (the loader drops each once it is
-    on the device in its final form), so a load can show it held about one layer."""
+    Only the files' headers are read up front; a file is opened (memory-mapped) at its first
+    tensor taken and closed after its last, so its pages leave the process as the load moves
+    on. `host_bytes` / `peak_host_bytes` count the bytes of the tensors handed out that are
+    still alive (the loader drops each once it is on the device in its final form), so a
+    load can show it held about one layer."""
 
     fused_experts = False  # a checkpoint's fused expert tensors are stored transposed or not, by the version that saved it
 
@@ -83,7 +85,8 @@ class CheckpointTensors:
 
         self.model = model
         self._index: dict[str, tuple[Path, str]] = {}
-        self._files: dict[Path, Any] = {}
+        self._files: dict[Path, Any] = {}  # open files
+        self._untaken: dict[Path, int] = {}  # tensors of each file not taken yet
         self.files = checkpoint_files(model)
         for path in self.files:
             with safe_open(str(path), "pt") as f:
@@ -97,6 +100,7 @@ class CheckpointTensors:
                         )
                     if name is not None:
                         self._index[name] = (path, key)
+                        self._untaken[path] = self._untaken.get(path, 0) + 1
         self.read_bytes = self.host_bytes = self.peak_host_bytes = 0
 
     def take(self, name: str) -> torch.Tensor | None:
@@ -110,6 +114,9 @@ class CheckpointTensors:
 
             self._files[path] = safe_open(str(path), "pt")
         tensor = self._files[path].get_tensor(key)
+        self._untaken[path] -= 1
+        if not self._untaken[path]:
+            del self._files[path]
         size = tensor.numel() * tensor.element_size()
         self.read_bytes += size
         self.host_bytes += size
