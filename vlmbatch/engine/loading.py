@@ -57,20 +57,27 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, trust_re
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cls = _without(_model_class(config, str(model), trust_remote_code), skip)
-    report = logging.getLogger("transformers.modeling_utils")  # its load report lists every skipped key as unexpected
-    level = report.level
-    report.setLevel(logging.ERROR)
+    # Its load report would list every skipped key as unexpected: its warnings are dropped
+    # here (a filter, not a level: transformers checks that logger's level for other output).
+    report = logging.getLogger("transformers.modeling_utils")
+    quiet = _BelowWarningsOnly()
+    report.addFilter(quiet)
     try:
         hf_model, info = cls.from_pretrained(
             model, config=config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code,
             device_map={"": device}, output_loading_info=True,
         )  # fmt: skip
     finally:
-        report.setLevel(level)
+        report.removeFilter(quiet)
     missing = sorted(set(info.get("missing_keys") or ()) | set(info.get("mismatched_keys") or ()))
     if missing:
         raise JobError(f"cannot load {model}: the checkpoint lacks (or has other shapes for) {', '.join(missing[:5])}")
     return hf_model.eval()
+
+
+class _BelowWarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING
 
 
 def _model_class(config: Any, model: str, trust_remote_code: bool) -> type:
