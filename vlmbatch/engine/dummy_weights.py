@@ -2,8 +2,8 @@
 
 A model whose compute-dtype copy does not fit beside its FP8 one (Qwen2.5-VL-72B: 146 GB
 in bf16 on a 141 GB H200) cannot be built by transformers and then converted; a
-pre-quantized checkpoint streams its real weights instead (`weight_loading.py`), and this
-module stands in for those weights, the same way. Here transformers builds only what the engine keeps of it (the vision tower and
+pre-quantized checkpoint streams its real weights instead (`weight_loading.py`). Without
+weights, for benchmarks, transformers builds only what the engine keeps of it (the vision tower and
 the position rules) with a one-layer language model (`dummy_hf_model`), our decoder of the
 full depth is built on the "meta" device, and every tensor is then created on the device
 in its final form: FP8 projections directly as random e4m3 values with their scales (no
