@@ -124,6 +124,8 @@ class PagedEngine(Engine):
         image_decoder = EncodedImageDecoder(adapter.model_path, device)
         fp8 = Fp8Load(scheme, read_fp8_weights(adapter.model_path, scheme) if prequantized else None) if scheme else None
         self.model = adapter.family.parts().ENGINE_MODEL.build(hf_model, device, dtype, kernels, image_decoder, fp8, dummy)
+        self.model.encoder_cache_size = config.encoder_cache_size
+        self.model.encoder_cache_bytes = config.encoder_cache_mb << 20
         self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, config.max_num_batched_tokens,
