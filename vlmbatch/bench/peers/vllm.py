@@ -3,7 +3,8 @@
 It runs on the same model folder as ours (`bench.shapes.write_model_folder`: config.json
 of the benchmarked sizes with `"architectures"`, the tiny checkpoint's tokenizer, a
 processor whose pixel bounds keep a 448x448 image at its real token count) with
-`load_format="dummy"` (random weights), bf16, one image per prompt, and the workloads'
+`load_format="dummy"` (random weights), bf16, one image per prompt (no video: none is
+profiled either, whatever the folder's video processor allows), and the workloads'
 own token ids with one image placeholder, which vLLM expands itself; its images are PIL
 images that vLLM preprocesses on the CPU (its normal offline path). Sampling is forced to
 each request's output length (`min_tokens` = `max_tokens`, EOS ignored, greedy, no
@@ -53,7 +54,7 @@ def vllm_missing(device_type: str, pythonpath: list[str]) -> str | None:
 def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """`vllm.LLM(...)` arguments for a spec written by `run_vllm_peer`."""
     return {"model": spec["model"], "load_format": spec["load_format"], "dtype": "bfloat16",
-            "limit_mm_per_prompt": {"image": 1}, "max_model_len": spec["max_model_len"],
+            "limit_mm_per_prompt": {"image": 1, "video": 0}, "max_model_len": spec["max_model_len"],
             "gpu_memory_utilization": spec["gpu_memory_utilization"], "seed": 0}
 
 
