@@ -1,10 +1,15 @@
 """`vlmbatch bench video-v1`: V1, video through the job path from files, against vLLM and `generate()` in one run.
 
-    vlmbatch bench make-clips bench-out/v1-clips        # here, with ffmpeg: 4 clips, ~24 MiB
-    vlmbatch bench video-v1 --model-shape qwen3_vl_8b --clips bench-out/v1-clips \\
+    vlmbatch bench make-clips bench-out/v1-clips        # here, with ffmpeg: 4 clips, 24.5 MiB
+    vlmbatch bench video-v1 --model-shape qwen3_vl_8b --clips bench-out/v1-clips \
         --peer vllm,hf --vllm-pythonpath /tmp/site-vllm --json $OUT/v1-qwen3-vl-8b.json
     vlmbatch bench video-v1 --model-shape qwen3_vl_30b_a3b --clips bench-out/v1-clips --peer vllm ...
-    vlmbatch bench video-v1 --model-shape tiny_qwen3_vl --requests 4 --clips DIR   # CPU smoke
+    vlmbatch bench video-v1 --model-shape tiny_qwen3_vl --requests 4 --output-tokens 8 \
+        --hf-requests 4 --hf-batches 2 --clips DIR                                  # CPU smoke
+
+On the H200: vLLM 0.26 installed into /tmp/site-vllm by earlier calls (../shared/FACTS.md),
+then one call carrying `bench-out/v1-clips` (24.5 MiB) and `.whl` (transformers 5.24 for our
+engine and `generate()`), `source scripts/device-setup.sh` and the command above.
 
 V1 (the Qwen3-VL issue): `--requests` (256) requests, each one job row (a short text prompt
 and the path of a video file), each video a sample of `--frames` (16) frames uniformly
@@ -13,15 +18,18 @@ over a 60 s 1280x720 h264 30 fps clip, exactly `--output-tokens` (128) tokens ge
 clips are made on a machine with ffmpeg (`vlmbatch bench make-clips`: FFmpeg's `testsrc2`
 pattern, hue-rotated so no two clips share their pixels, libx264 at crf 32 so that four fit
 the GPU machine's upload) and read by every engine from the same files; request r takes
-clip r mod the number of clips.
+clip r mod the number of clips. (A command of its own rather than a `bench engine`
+workload: V1 goes through the job path from files, as `jpeg-w1` does, and vLLM decodes
+its videos itself; `bench engine` feeds ready prompts to the engine and checks logits and
+rooflines.)
 
 Engines, in this order, each recorded even when another fails:
 1. vLLM (`--peer vllm`, in a child process while the GPU is empty; `bench.peers.vllm`):
    its offline `LLM.generate` on the raw prompt's token ids and `multi_modal_data={"video":
    (frames, metadata)}` from vLLM's own video loader (`VideoMediaIO` with the loader vLLM
    picks for the model: `qwen3_vl`, OpenCV), the files read and decoded inside the timed
-   call as vLLM takes each prompt (`--vllm-decode-threads` decode ahead of it; 0: in its
-   frontend thread, as `LLM.chat` with a `video_url` does). `--vllm-modes predecoded`
+   call as vLLM takes each prompt (`--vllm-decode-threads`, 4, decode up to 32 clips ahead
+   of it; 0: in its frontend thread, as `LLM.chat` with a `video_url` does). `--vllm-modes predecoded`
    times it once more on frames decoded before the clock starts (its ceiling).
 2. `generate()` (`--peer hf`, the transformers model of the same folder, random weights):
    static batches of `--hf-batches`, each warmed up with one full batch of its size, then
@@ -65,7 +73,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
