@@ -27,6 +27,8 @@ def bench_video_v1(
     vllm_gpu_memory_utilization: float = typer.Option(0.85, "--vllm-gpu-memory-utilization", help="vLLM's share of GPU memory."),
     vllm_decode_threads: int = typer.Option(4, "--vllm-decode-threads", min=0, help="Threads of the vLLM child decoding clips "
                                             "ahead of its frontend (0: each in the frontend as it takes the prompt, as LLM.chat does)."),
+    vllm_omp_threads: int = typer.Option(0, "--vllm-omp-threads", min=0, help="OMP_NUM_THREADS of the vLLM child: the torch "
+                                         "threads of its video processor (0: unset, vLLM's default of 1)."),
     vllm_modes: str = typer.Option("files", "--vllm-modes", help="files (decoded in the timed call), predecoded (decoded before it)."),
     hf_requests: int = typer.Option(64, "--hf-requests", min=1, help="Rows timed on the generate() peer."),
     hf_batches: str = typer.Option("32", "--hf-batches", help="generate() static batch sizes, each warmed up with a full batch."),
@@ -46,7 +48,8 @@ def bench_video_v1(
     if unknown:
         raise typer.BadParameter(f"unknown {', '.join(unknown)}; choose from vllm, hf", param_hint="--peer")
     if not modes or any(m not in ("files", "predecoded") for m in modes):
-        raise typer.BadParameter("choose files and/or predecoded", param_hint="--vllm-modes")
+        bad = [m for m in modes if m not in ("files", "predecoded")]
+        raise typer.BadParameter(f"unknown {', '.join(bad) or 'none given'}; choose files and/or predecoded", param_hint="--vllm-modes")
     try:
         find_clips(clips)
     except FileNotFoundError:
@@ -59,6 +62,7 @@ def bench_video_v1(
         vllm_decode_threads=vllm_decode_threads, vllm_modes=modes, hf_requests=hf_requests,
         hf_batches=int_list(hf_batches, "--hf-batches"), gpu_memory_utilization=gpu_memory_utilization,
         max_num_batched_tokens=max_num_batched_tokens, device=device,
+        extra_env={"OMP_NUM_THREADS": str(vllm_omp_threads)} if vllm_omp_threads else {},
     )
     if not run(options, json_out):
         raise typer.Exit(1)

@@ -173,3 +173,13 @@ def test_v1_smoke_through_the_job_path_with_generate_and_vllm_skipped_on_the_cpu
     results = pq.read_table(next((tmp_path / "work" / "jobs" / "timed").glob("*/results"))).to_pylist()
     assert len(results) == 4 and all(r["error"] is None and r["num_generated_tokens"] == 8 for r in results)
     assert sorted(r["id"] for r in results) == [f"v1-{i:04d}" for i in range(4)]
+
+
+def test_the_command_refuses_unknown_peers_and_modes(tmp_path):
+    from typer.testing import CliRunner
+
+    from vlmbatch.cli.commands import app
+
+    for flag, value in (("--peer", "sglang"), ("--vllm-modes", "mmap")):
+        result = CliRunner().invoke(app, ["bench", "video-v1", "--model-shape", "tiny_qwen3_vl", flag, value, "--clips", str(tmp_path)])
+        assert result.exit_code == 2 and value in result.output, result.output

@@ -269,7 +269,7 @@ class V1Options:
     gpu_memory_utilization: float = 0.85
     max_num_batched_tokens: int = 16384
     device: str = "auto"
-    extra_env: dict[str, str] = field(default_factory=dict)  # the vLLM child's environment (defaults: ours)
+    extra_env: dict[str, str] = field(default_factory=dict)  # set in the vLLM child's environment over ours (OMP_NUM_THREADS)
 
 
 def our_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, preparer: Any, options: V1Options) -> dict[str, Any]:
@@ -428,8 +428,7 @@ def run(options: V1Options, json_out: Path) -> bool:
     shape = resolve_shape(options.model_shape)
     report: dict[str, Any] = {
         "benchmark": "v1", "model": shape.name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cpu_count": os.cpu_count(), "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()
-                                                 if k != "extra_env"},
+        "cpu_count": os.cpu_count(), "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
         "video_backend": media.video_loader_backend, "peers": {}, "runs": {},
     }
     report["options"]["vllm_pythonpath"] = list(options.vllm_pythonpath)
