@@ -524,8 +524,9 @@ def summary_lines(report: dict[str, Any], plans: list[ClipPlan]) -> list[str]:
                      f"token; its loader's frames ours for {vllm['frames_identical_to_ours']}/{vllm['requests']}; "
                      f"{vllm['cached_prompt_tokens']} prompt tokens from its prefix cache; frontend added the last request "
                      f"after {vllm['all_added_after_s'] or 0:.1f} s of {vllm['seconds']:.1f} s")
-    lines.append("no reuse of repeated clips: ours without prefix caching, encoder_cache_size 0; vLLM without prefix "
-                 "caching, mm_processor_cache_gb 0 (a media id per request); both read the files in the timed region")
+    lines.append("no reuse of repeated clips: ours without prefix caching, encoder_cache_size 0"
+                 + ("; vLLM without prefix caching, mm_processor_cache_gb 0 (a media id per request); both read the files "
+                    "in the timed region" if vllm else ""))
     lines += [f"{name}: skipped ({peer['reason']})" for name, peer in report["peers"].items() if peer.get("status") == "skipped"]
     lines += [f"FAIRNESS: {p}" for p in report["fairness_problems"]]
     lines += [f"{name} failed: {error.strip().splitlines()[-1]}" for name, error in report["errors"].items()]
