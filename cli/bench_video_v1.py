@@ -40,6 +40,7 @@ def bench_video_v1(
 ) -> None:
     """Requests/s of V1 on our job path from video files, vLLM decoding the same files, and generate(), with every fairness check."""
     from vlmbatch.bench.video_v1 import V1Options, find_clips, make_clips, run
+    from vlmbatch.config import MediaConfig, WorkerConfig
 
     shape_or_exit(model_shape)
     peers = split(peer)
@@ -62,9 +63,9 @@ def bench_video_v1(
         vllm_decode_threads=vllm_decode_threads, vllm_modes=modes, hf_requests=hf_requests,
         hf_batches=int_list(hf_batches, "--hf-batches"), gpu_memory_utilization=gpu_memory_utilization,
         max_num_batched_tokens=max_num_batched_tokens, device=device,
-        extra_env={"OMP_NUM_THREADS": str(vllm_omp_threads)} if vllm_omp_threads else {},
     )
-    if not run(options, json_out):
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(vllm_omp_threads)} if vllm_omp_threads else {}))  # the vLLM child's
+    if not run(options, json_out, MediaConfig.from_env(os.environ), WorkerConfig.from_env(os.environ), env):
         raise typer.Exit(1)
 
 

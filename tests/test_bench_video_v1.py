@@ -151,16 +151,17 @@ def test_a_vllm_video_run_is_checked_against_our_prompts_frames_and_lengths():
 
 
 @needs_ffmpeg
-def test_v1_smoke_through_the_job_path_with_generate_and_vllm_skipped_on_the_cpu(clips, tmp_path, monkeypatch):
+def test_v1_smoke_through_the_job_path_with_generate_and_vllm_skipped_on_the_cpu(clips, tmp_path):
     """4 rows of the tiny Qwen3-VL through `run_job_locally` (reader, pool, engine, result
     Parquet) after a 2-row warm-up; `generate()` at batch 2; vLLM skipped with why."""
     import pyarrow.parquet as pq
 
-    monkeypatch.setenv("VLMBATCH_PREPROCESS_WORKERS", "1")
+    from vlmbatch.config import MediaConfig, WorkerConfig
+
     out = tmp_path / "v1.json"
     options = V1Options(model_shape="tiny_qwen3_vl", clips=clips, workdir=tmp_path / "work", requests=4, output_tokens=8,
                         warmup=2, hf_requests=4, hf_batches=(2,), device="cpu")
-    assert run(options, out)
+    assert run(options, out, MediaConfig(), WorkerConfig(preprocess_workers=1), {})
     report = json.loads(out.read_text())
     assert report["peers"]["vllm"] == {"status": "skipped", "reason": "vLLM runs on CUDA GPUs only"}
     assert report["errors"] == {} and report["fairness_problems"] == []

@@ -73,7 +73,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -269,7 +269,6 @@ class V1Options:
     gpu_memory_utilization: float = 0.85
     max_num_batched_tokens: int = 16384
     device: str = "auto"
-    extra_env: dict[str, str] = field(default_factory=dict)  # set in the vLLM child's environment over ours (OMP_NUM_THREADS)
 
 
 def our_run(llm: Any, model: Path, dataset: Path, warmup: Path, out: Path, preparer: Any, options: V1Options) -> dict[str, Any]:
@@ -306,7 +305,7 @@ def _tower_counts(llm: Any) -> tuple[int, int]:
 
 
 def hf_runs(folder: Path, adapter: Any, plans: list[ClipPlan], clips: list[Path], options: V1Options, device: Any,
-            report: dict[str, Any], phases: Any) -> None:
+            media: Any, report: dict[str, Any], phases: Any) -> None:
     """`generate()` at each batch size on the first `hf_requests` rows (their clips decoded
     once, untimed: `generate()` has nothing to reuse between batches)."""
     import torch
@@ -318,7 +317,7 @@ def hf_runs(folder: Path, adapter: Any, plans: list[ClipPlan], clips: list[Path]
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_hf_model(folder, dtype, device)
-    video_options = parse_video_options({"num_frames": options.frames}, default_video_options(_media()))
+    video_options = parse_video_options({"num_frames": options.frames}, default_video_options(media))
     videos = [load_video(str(path), video_options, convention=adapter.frame_convention) for path in clips]
     order = request_clips(options.hf_requests, len(clips))
     prompt = v1_prompt(adapter)
@@ -334,14 +333,9 @@ def hf_runs(folder: Path, adapter: Any, plans: list[ClipPlan], clips: list[Path]
         free_memory(device)
 
 
-def _media() -> Any:
-    from vlmbatch.config import MediaConfig
-
-    return MediaConfig.from_env(os.environ)
-
-
-def vllm_phase(spec: dict[str, Any], options: V1Options, device: Any, workdir: Path, report: dict[str, Any]) -> None:
-    """The vLLM child on the spec; its runs (checked: same frames, same prompts, forced
+def vllm_phase(spec: dict[str, Any], options: V1Options, device: Any, workdir: Path, env: dict[str, str],
+               report: dict[str, Any]) -> None:
+    """The vLLM child on the spec, in `env`; its runs (checked: same frames, same prompts, forced
     lengths, no prompt-cache hits) go into the report, mismatches raise."""
     import torch
 
@@ -355,15 +349,15 @@ def vllm_phase(spec: dict[str, Any], options: V1Options, device: Any, workdir: P
         return
     free_before = torch.cuda.mem_get_info(device)[0]
     say(f"vllm: {len(spec['warmup'])} warm-up and {len(spec['timed'])} timed requests ({', '.join(spec['modes'])}), in a child process")
-    result = run_vllm_video_peer(spec, options.vllm_timeout_s, workdir, {**os.environ, **options.extra_env},
-                                 list(options.vllm_pythonpath))
+    result = run_vllm_video_peer(spec, options.vllm_timeout_s, workdir, env, list(options.vllm_pythonpath))
     _wait_for_memory(device, free_before)
     if "skipped" in result:
         report["peers"]["vllm"] = {"status": "skipped", "reason": result["skipped"]}
         say(f"vllm: skipped ({result['skipped']})")
         return
     report["peers"]["vllm"] = {"status": "ran" if result["runs"] else "failed", **{k: result.get(k) for k in ("vllm_version", "load_s", "warmup_s", "config",
-                                                                              "video_loader", "omp_num_threads")}}
+                                                                              "video_loader")},
+                               "omp_num_threads": env.get("OMP_NUM_THREADS")}  # its processor's torch threads (1 when unset)
     problems = []
     for run in result["runs"]:
         name = f"vllm-{run['mode']}"
@@ -408,14 +402,15 @@ def fairness_problems(plans: list[ClipPlan], ours: dict[str, Any] | None) -> lis
     return problems
 
 
-def run(options: V1Options, json_out: Path) -> bool:
-    """Every phase of the module docstring; True when all ran and every check held."""
+def run(options: V1Options, json_out: Path, media: Any, worker: Any, env: dict[str, str]) -> bool:
+    """Every phase of the module docstring, with this process's media and worker
+    configurations and `env` for the vLLM child; True when all ran and every check held."""
     import torch
 
     from vlmbatch import job as jobs
     from vlmbatch.bench.engine import _Phases
     from vlmbatch.bench.shapes import resolve_shape, write_model_folder
-    from vlmbatch.config import EngineConfig, WorkerConfig
+    from vlmbatch.config import EngineConfig
     from vlmbatch.engine.loading import resolve_device
     from vlmbatch.families.registry import load_adapter
     from vlmbatch.job.preparer import RowPreparer
@@ -423,7 +418,6 @@ def run(options: V1Options, json_out: Path) -> bool:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("vlmbatch.job.shard").setLevel(logging.INFO)  # its "shard timing" lines
     device = resolve_device(options.device)
-    media = _media()
     clips = find_clips(options.clips)
     shape = resolve_shape(options.model_shape)
     report: dict[str, Any] = {
@@ -459,10 +453,10 @@ def run(options: V1Options, json_out: Path) -> bool:
         max_model_len = max(8192, max(p.prompt_tokens for p in plans) + options.output_tokens)
         if "vllm" in options.peers:
             spec = vllm_video_spec(folder, plans, adapter, warmup, timed, options, max_model_len)
-            phases.run("peer-vllm", vllm_phase, spec, options, device, workdir, report)
+            phases.run("peer-vllm", vllm_phase, spec, options, device, workdir, env, report)
         if "hf" in options.peers:
             report["peers"]["hf"] = {"status": "ran", "timed": "generate() only (frames decoded and processed before each batch)"}
-            phases.run("peer-hf", hf_runs, folder, adapter, plans, clips, options, device, report, phases)
+            phases.run("peer-hf", hf_runs, folder, adapter, plans, clips, options, device, media, report, phases)
         if not options.ours:
             report["fairness_problems"] = fairness_problems(plans, None)
             return _finish(report, plans, save, json_out)
@@ -473,7 +467,7 @@ def run(options: V1Options, json_out: Path) -> bool:
         report["our_engine_config"] = asdict(config)
         llm = phases.run("load-ours", jobs.load_llm, str(folder), config)
         if llm is not None:
-            preparer = RowPreparer(WorkerConfig.from_env(os.environ), media)
+            preparer = RowPreparer(worker, media)
             try:
                 report["preprocess_workers"] = preparer.num_workers
                 ours = phases.run("ours", our_run, llm, folder, dataset, warmup_rows, workdir / "jobs", preparer, options)

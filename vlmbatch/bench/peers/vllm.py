@@ -370,7 +370,6 @@ def _video_child(spec: dict[str, Any], save, result: dict[str, Any]) -> dict[str
     llm = LLM(**video_llm_kwargs(spec))
     result["load_s"] = time.perf_counter() - started
     result["config"] = _engine_config(llm)
-    result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")  # the torch threads of vLLM's processor (1 when unset)
     backend, load = video_loader(spec, getattr(llm, "model_config", None))
     result["video_loader"] = backend
     save(result)
