@@ -71,6 +71,28 @@ def test_qwen3_folders_keep_the_published_sizes_and_image_tokens(tmp_path, name,
     assert adapter.check(adapter.image_placeholder, [Image.new("RGB", (448, 448))]) == 2 + tokens
 
 
+
+def test_qwen3_folders_keep_the_published_video_bounds_so_a_720p_clip_keeps_most_of_its_size(tmp_path):
+    """The clip bounds (frames x height x width) of Qwen3-VL's video_preprocessor_config.json:
+    16 frames of 720p become 640x1152 under the per-frame cap (qwen-vl-utils, which our
+    adapter asks of transformers that has it): 8 temporal pairs of 40x72 patches, 5,760
+    tokens (V1, `bench.video_v1`); the tiny builder's bounds would shrink them to 64 tokens."""
+    import numpy as np
+
+    from vlmbatch.families.registry import load_adapter
+    from vlmbatch.media.types import VideoFrames
+
+    path = write_model_folder(resolve_shape("qwen3_vl_8b"), tmp_path)
+    assert json.loads((path / "video_preprocessor_config.json").read_text())["size"] == {
+        "longest_edge": 25165824, "shortest_edge": 4096}
+    adapter = load_adapter(str(path))
+    times = [i * 4.0 for i in range(16)]
+    clip = VideoFrames(np.zeros((16, 720, 1280, 3), np.uint8), times, 16 / 60, 30.0, 60.0, list(range(0, 1920, 120)))
+    video = adapter.prepare(adapter.video_placeholder, [], [clip]).media[0]
+    capped = getattr(adapter.processor.video_processor, "cap_pixels_per_frame", False) is not False
+    assert video.tensors["video_grid_thw"].tolist() == [[8, 40, 72] if capped else [8, 44, 80]]
+    assert video.num_tokens == (5760 if capped else 7040)
+
 def test_smolvlm2_folder_keeps_the_published_sizes_and_one_tile_per_w1_image(tmp_path):
     from transformers import AutoConfig, AutoProcessor
 

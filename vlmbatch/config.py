@@ -169,6 +169,11 @@ class EngineConfig(Options):
     block_size: int | None = option(None, "VLMBATCH_BLOCK_SIZE", parse=_optional(int),
                                     help="tokens per KV block (default: 256 on GPU, 16 on CPU)")
     enable_prefix_caching: bool = option(True, "VLMBATCH_ENABLE_PREFIX_CACHING", help="share KV blocks of equal prefixes")
+    encoder_cache_size: int = option(256, "VLMBATCH_ENCODER_CACHE_SIZE",
+                                     help="media items whose vision-tower outputs are kept for requests that repeat them "
+                                          "(0: none reused, even two equal items in one step)")
+    encoder_cache_mb: int = option(2048, "VLMBATCH_ENCODER_CACHE_MB",
+                                   help="GPU memory (MiB) those kept outputs may hold; the oldest go first")
     enforce_eager: bool = option(False, "VLMBATCH_ENFORCE_EAGER", help="no CUDA graphs")
     min_admission_batch: int = option(64, "VLMBATCH_MIN_ADMISSION_BATCH",
                                       help="free slots before waiting requests join a running batch (1 = at once)")
@@ -198,6 +203,9 @@ class EngineConfig(Options):
         _check_choices(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.encoder_cache_size < 0 or self.encoder_cache_mb < 0:
+            raise ConfigError(f"encoder_cache_size and encoder_cache_mb must be 0 or more, got "
+                              f"{self.encoder_cache_size!r} and {self.encoder_cache_mb!r}")
         if self.grammar_fill_threads < 0:
             raise ConfigError(f"grammar_fill_threads must be 0 (auto) or more, got {self.grammar_fill_threads!r}")
 

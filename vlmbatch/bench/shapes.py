@@ -53,6 +53,10 @@ _QWEN3_TEXT = dict(head_dim=128, vocab_size=151936, tie_word_embeddings=False, m
 # Qwen3-VL's processor: patch 16, merge 2, mean/std 0.5; a 448x448 image is 196 tokens.
 _QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+# Qwen3-VL's video_preprocessor_config.json: the pixel bounds are of a whole clip (frames x height x width),
+# so 16 frames of a 720p clip keep most of their size (V1, `bench.video_v1`), not the tiny builder's 65536.
+_QWEN3_VIDEO = {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "patch_size": 16, "merge_size": 2,
+                "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 # LLaVA-NeXT (llava-v1.6-mistral-7b-hf): CLIP-L/336 (CLS dropped, layer -2), five 1x2..3x1 grids
 # of 336 px tiles; a 448x448 image is a 2x2 grid plus the base view, 2,928 tokens.
@@ -141,13 +145,14 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                text=dict(_QWEN3_TEXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                          num_key_value_heads=8),
                vision=dict(_QWEN3_VISION, out_hidden_size=4096), top={"tie_word_embeddings": False},
-               image_processor=_QWEN3_IMAGE, source="Qwen/Qwen3-VL-8B-Instruct config.json (../shared/FACTS.md)"),
+               image_processor=_QWEN3_IMAGE, video_processor=_QWEN3_VIDEO,
+               source="Qwen/Qwen3-VL-8B-Instruct config.json (../shared/FACTS.md)"),
     ModelShape("qwen3_vl_30b_a3b", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
                text=dict(_QWEN3_TEXT, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                          decoder_sparse_step=1, mlp_only_layers=[]),
                vision=dict(_QWEN3_VISION, out_hidden_size=2048), top={"tie_word_embeddings": False},
-               image_processor=_QWEN3_IMAGE,
+               image_processor=_QWEN3_IMAGE, video_processor=_QWEN3_VIDEO,
                text_json_extra={"num_experts": 128},  # transformers 5.24 writes num_local_experts; 5.17 (vLLM's) reads this
                source="Qwen/Qwen3-VL-30B-A3B-Instruct config.json (../shared/FACTS.md)"),
     ModelShape("llava_next_7b", "llava_next", "LlavaNextForConditionalGeneration",

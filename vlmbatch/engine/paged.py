@@ -137,6 +137,8 @@ class PagedEngine(Engine):
         image_decoder = EncodedImageDecoder(adapter.model_path, device)
         checkpoint = CheckpointTensors(adapter.model_path) if prequantized else None
         self.model = engine_model.build(hf_model, device, dtype, kernels, image_decoder, scheme, checkpoint, dummy)
+        self.model.encoder_cache_size = config.encoder_cache_size
+        self.model.encoder_cache_bytes = config.encoder_cache_mb << 20
         self.backend = create_backend(backend_name, kernels.pdl_max_rows)
         self.runner = ModelRunner(
             self.model, self.backend, device, block_size, max_num_seqs, max_num_batched_tokens,

@@ -6,6 +6,13 @@ placeholders, and how prompt tokens are placed (M-RoPE for Qwen). The engine bat
 tower across the requests of a prefill step and caches its outputs by content hash, so a
 repeated image is encoded once; encoded JPEGs are decoded on the GPU just before (only
 those the tower will actually run on).
+
+The cache holds at most `encoder_cache_size` items and `encoder_cache_bytes` of GPU memory
+(the oldest go first): one 16-frame 720p clip of Qwen3-VL-8B is 5,760 tokens of
+4 x 4096 features (with its DeepStack levels), 189 MB in bf16, so a count alone would let
+256 distinct clips hold 48 GB the KV cache was sized on. With `encoder_cache_size` 0
+nothing is reused: every request's items go through the tower for it alone, even two equal
+items in one step (benchmarks that repeat media but must not share its encoding).
 """
 
 from __future__ import annotations
@@ -56,14 +63,15 @@ class VisionLanguageModel(ABC):
     language_model_attr = "language_model"  # where `hf_model.model` holds its text model (Idefics3: text_model)
 
     def __init__(self, hf_model: nn.Module, decoder: Decoder, kernels: KernelSet, image_decoder: EncodedImageDecoder,
-                 encoder_cache_size: int = 256):
+                 encoder_cache_size: int = 256, encoder_cache_bytes: int = 2 << 30):
         self.hf = hf_model
         self.decoder = decoder
         self.config = hf_model.config
         self.kernels = kernels
         self.image_decoder = image_decoder
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.encoder_cache_size = encoder_cache_size
+        self.encoder_cache_size = encoder_cache_size  # items; 0: no reuse at all (module docstring)
+        self.encoder_cache_bytes = encoder_cache_bytes
         self.num_encoded_items = 0  # stats: media items that went through the tower
         self.num_encoder_cache_hits = 0
         if kernels.rms_norm is not None:
@@ -151,28 +159,36 @@ class VisionLanguageModel(ABC):
     @torch.no_grad()
     def encode(self, requests: list[list[MediaItem]]) -> list[torch.Tensor]:
         """Media embeddings of each request ([media tokens, hidden], items concatenated in
-        order), running the tower once per kind over all items not in the encoder cache."""
-        todo: dict[str, dict[str, MediaItem]] = {}
-        for items in requests:
-            for item in items:
-                if item.content_hash in self.encoder_cache:
-                    self.encoder_cache.move_to_end(item.content_hash)
+        order), running the tower once per kind over all items not in the encoder cache
+        (equal items of one step once, unless `encoder_cache_size` is 0)."""
+        reuse = self.encoder_cache_size > 0
+        keys = [[item.content_hash if reuse else (r, i) for i, item in enumerate(items)] for r, items in enumerate(requests)]
+        todo: dict[str, dict[Any, MediaItem]] = {}
+        for items, item_keys in zip(requests, keys):
+            for item, key in zip(items, item_keys):
+                if reuse and key in self.encoder_cache:
+                    self.encoder_cache.move_to_end(key)
                     self.num_encoder_cache_hits += 1
                 else:
-                    todo.setdefault(item.kind, {}).setdefault(item.content_hash, item)
-        fresh: dict[str, torch.Tensor] = {}
-        for kind, by_hash in todo.items():
-            items = self._decoded(list(by_hash.values()))
+                    todo.setdefault(item.kind, {}).setdefault(key, item)
+        fresh: dict[Any, torch.Tensor] = {}
+        for kind, by_key in todo.items():
+            items = self._decoded(list(by_key.values()))
             embeds = self.encode_batch(kind, items).to(self.decoder.embed_tokens.weight.dtype)
-            for item, rows in zip(items, embeds.split([i.num_tokens for i in items])):
-                fresh[item.content_hash] = rows
+            for key, item, rows in zip(by_key, items, embeds.split([i.num_tokens for i in items])):
+                fresh[key] = rows
             self.num_encoded_items += len(items)
-        out = [torch.cat([fresh.get(i.content_hash, self.encoder_cache.get(i.content_hash)) for i in items]) for items in requests]
-        for content_hash, rows in fresh.items():
-            self.encoder_cache[content_hash] = rows
-        while len(self.encoder_cache) > self.encoder_cache_size:
-            self.encoder_cache.popitem(last=False)
+        out = [torch.cat([fresh[key] if key in fresh else self.encoder_cache[key] for key in item_keys]) for item_keys in keys]
+        if reuse:
+            self._keep(fresh)
         return out
+
+    def _keep(self, fresh: dict[str, torch.Tensor]) -> None:
+        """Cache `fresh`, then evict the oldest entries past the item count or the bytes."""
+        self.encoder_cache.update(fresh)
+        held = sum(rows.nbytes for rows in self.encoder_cache.values())
+        while self.encoder_cache and (len(self.encoder_cache) > self.encoder_cache_size or held > self.encoder_cache_bytes):
+            held -= self.encoder_cache.popitem(last=False)[1].nbytes
 
     def _decoded(self, items: list[MediaItem]) -> list[MediaItem]:
         """`items` with the encoded JPEGs among them decoded on the GPU, in one batch."""
