@@ -9,9 +9,10 @@
 set -e
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
+# A later call on the same warm machine need not carry .whl again (the carry limit is 64 MiB).
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
 if [ -d /tmp/vparts ] && [ -d .vllm/small ] && [ ! -d /tmp/site-vllm/vllm ]; then
   wheel=/tmp/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
   cat /tmp/vparts/part0 /tmp/vparts/part1 /tmp/vparts/part2 /tmp/vparts/part3 /tmp/vparts/part4 > "$wheel"
