@@ -166,7 +166,18 @@ LARGE_N = 16384  # gate/up (22016, 37888) and LM heads: enough 32-column strips 
 VOCAB_N = 65536  # LM heads (151936, 152064)
 LONG_K = 8192  # down projections (11008, 18944)
 MAX_SPLIT_K = 8
+# A fused launch saves the quantization kernel's launch: 6.1-6.5 us of fixed cost per FP8 layer
+# this morning against 3.2-4.0 for cuBLAS's one kernel (the intercepts of time vs weight bytes
+# in the log), ~2.5 us, in which L2 serves some 8 MiB of extra reads (at an assumed ~4 TB/s).
+FUSED_EXTRA_BYTES = 8 << 20
 FUSED_STAGE_BYTES = 112 << 10  # shared memory for a fused program's pipelined tiles: two fit in an H200 SM's 228 KiB
+
+
+def fused_extra_bytes(tiles: int, split: int, rows: int, k: int, per_token: bool) -> int:
+    """What a fused launch reads beyond a separately quantized one: per program 1 more byte
+    per input element of its K range and, per token, its rows whole once more (2 bytes an
+    element) for their amax."""
+    return tiles * rows * k * (2 * split + 1 if per_token else 1)
 
 
 @dataclass(frozen=True)
@@ -193,10 +204,12 @@ def decode_plan(rows: int, n: int, k: int, per_token: bool, num_sms: int = H200_
 
     Fused quantization: each program then reads the compute-dtype input of its K range (2
     bytes per element instead of 1) and, per token, all of its rows once more for their amax,
-    whatever its range. Fused while those extra bytes stay within the program's weight bytes
-    (block_n x its K range): rows x (2 x split + 1) <= block_n per token, the split lowered
-    to fit (32-column strips: 1 row up to 15 ranges, 2 rows 7, 4 rows 3, 8-10 rows 1; from
-    11 rows on a separate launch quantizes); rows <= block_n in 1x128 groups."""
+    whatever its range: `fused_extra_bytes` in all. Fused while that stays within the
+    weight's bytes (then it streams from L2 beside the weight's own reads) or within
+    FUSED_EXTRA_BYTES (what the launch it saves costs), the split lowered to fit. With the
+    3B/7B shapes: per token up to 8 rows (16 for the 3B q/k/v and o, unsplit; 32 for gate/up
+    and the LM heads with their 128-column tiles), in 1x128 groups up to 32 (64 for the 3B
+    o, gate/up and the LM heads)."""
     if rows > 16 and n >= LARGE_N:
         block_n, block_k = 128, 128
     elif not per_token:
@@ -207,13 +220,10 @@ def decode_plan(rows: int, n: int, k: int, per_token: bool, num_sms: int = H200_
     split = 1
     if tiles < num_sms:
         split = min(triton.cdiv(num_sms, tiles), MAX_SPLIT_K, max(1, triton.cdiv(k, block_k) // 2), max(1, k // (16 * rows)))
-    if per_token:
-        fused_split = (block_n // rows - 1) // 2  # the largest split with rows x (2 x split + 1) <= block_n
-        fused = fused_split >= 1
-        if fused:
-            split = min(split, fused_split)
-    else:
-        fused = rows <= block_n
+    allowed = max(n * k, FUSED_EXTRA_BYTES)
+    fused = fused_extra_bytes(tiles, 1, rows, k, per_token) <= allowed
+    while fused and split > 1 and fused_extra_bytes(tiles, split, rows, k, per_token) > allowed:
+        split -= 1
     make = fused_config if fused else decode_config
     return Fp8DecodePlan(fused, make(rows, block_n, block_k, 4, split))
 

@@ -189,8 +189,8 @@ def test_decode_plan_follows_the_measurements_and_its_own_rules():
     """The selection table on the H200 (132 SMs): this morning's best tiles where they were
     measured; a split over K only where the tiles leave SMs idle, filling them about once
     and within its bounds; fused quantization only where its extra reads stay within the
-    program's weight bytes."""
-    from vlmbatch.kernels.fp8 import MAX_SPLIT_K, decode_plan
+    weight's bytes or FUSED_EXTRA_BYTES."""
+    from vlmbatch.kernels.fp8 import FUSED_EXTRA_BYTES, MAX_SPLIT_K, decode_plan, fused_extra_bytes
 
     def plan(rows, layer, per_token=True):
         return decode_plan(rows, *LAYERS[layer], per_token)
@@ -202,7 +202,8 @@ def test_decode_plan_follows_the_measurements_and_its_own_rules():
     for layer in ("3b gate_up", "3b lm_head", "7b lm_head"):
         config = plan(64, layer).config
         assert (config.block_m, config.block_n, config.block_k, config.split_k) == (64, 128, 128, 1)
-    assert not plan(16, "3b qkv").fused and plan(16, "3b qkv", per_token=False).fused
+    assert plan(16, "3b qkv").fused and plan(16, "3b qkv").config.split_k == 1  # 7.9 MB of re-reads: unsplit only
+    assert not plan(16, "3b down").fused and plan(16, "3b down", per_token=False).fused
     for (n, k), rows, per_token in ((shape, rows, p) for shape in LAYERS.values() for rows in DECODE_ROWS for p in (True, False)):
         p = decode_plan(rows, n, k, per_token)
         c = p.config
@@ -210,12 +211,12 @@ def test_decode_plan_follows_the_measurements_and_its_own_rules():
         assert c.block_m >= min(rows, 64) and c.block_m in (16, 32, 64)
         assert 1 <= c.split_k <= MAX_SPLIT_K and (c.split_k == 1 or (tiles < 132 and tiles * (c.split_k - 1) < 132))
         assert c.split_k <= max(1, -(-k // c.block_k) // 2) and c.split_k <= max(1, k // (16 * rows))
-        if per_token and p.fused:
-            assert rows * (2 * c.split_k + 1) <= c.block_n
-        elif per_token:
-            assert rows * 3 > c.block_n  # not even unsplit within the bound
+        allowed = max(n * k, FUSED_EXTRA_BYTES)
+        if p.fused:
+            assert fused_extra_bytes(tiles, c.split_k, rows, k, per_token) <= allowed
         else:
-            assert p.fused == (rows <= c.block_n) and c.block_k == 128
+            assert fused_extra_bytes(tiles, 1, rows, k, per_token) > allowed  # not even unsplit within the bound
+        assert per_token or c.block_k == 128
 
 
 @needs_kernels
