@@ -82,6 +82,165 @@ def test_every_decode_tile_the_benchmark_times_is_exact(rows):
         assert (out - ref).norm() / ref.norm() < 1e-5, tile
 
 
+# ---- Decode sizes: the GEMM that quantizes its own input, split over K ------------------------
+
+GROUPS = {"channel": None, "blocks": 128, "row-blocks": 128}
+
+
+def _decode_case(rows: int, n: int, k: int, layout: str, dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    w_q, w_s = _weights(n, k, layout)
+    x = (torch.randn(rows, k, device=DEVICE) * torch.logspace(-1, 1, rows, device=DEVICE)[:, None]).to(dtype)
+    x[:, 7] = 0.0  # an all-zero 1x128 group where K allows none otherwise
+    if rows > 2:
+        x[2] = 0.0  # an all-zero row: the amax floor
+    return x, w_q, w_s, torch.randn(n, device=DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, layout", [(rows, layout) for rows in (1, 3, 16, 64) for layout in ("channel", "blocks")]
+                         + [(1, "row-blocks"), (16, "row-blocks")])  # fmt: skip
+@pytest.mark.parametrize("n, k", [(96, 320), (136, 200), (40, 1000)])
+@pytest.mark.parametrize("split", [1, 3])
+def test_kernel_fused_quantization_is_the_two_launches_bit_for_bit(rows, layout, n, k, split):
+    """`fp8_linear_fused` (one launch: each program quantizes its own input tiles) returns
+    exactly what `quantize_fp8` and the GEMM with the same launch return, split over K or
+    not (unsplit, that GEMM is `_fp8_gemm_kernel`, the prefill kernel): the same scale
+    formula and e4m3 cast (`_scale_of`, `_quantized`) on the same values, the same products.
+    Odd N and K (masked tails, K not a multiple of the K step or of 128), an all-zero row."""
+    from vlmbatch.kernels.fp8 import decode_config, fp8_linear_fused, fused_config
+
+    group = GROUPS[layout]
+    dtype = torch.float16 if (rows + n) % 2 else torch.float32  # both interpretable dtypes over the cases
+    x, w_q, w_s, bias = _decode_case(rows, n, k, layout, dtype)
+    config = fused_config(rows, 32, 128 if group else 64, 4, split)
+    fused = fp8_linear_fused(x, w_q, w_s, bias, group, torch.float32, config)
+    a_q, a_s = quantize_fp8(x, group)
+    assert torch.equal(fused, fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=config))
+    if split == 1:  # the unsplit decode tile of the prefill kernel, too
+        assert torch.equal(fused, fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=decode_config(rows, 32, config.block_k, 4)))
+    ref = fp8_gemm_ref(a_q, a_s, w_q, w_s, bias, out_dtype=torch.float32)
+    assert (fused - ref).norm() / ref.norm() < 1e-5
+    # Against torch's quantization: exact on the GPU; the interpreter's e4m3 cast rounds a few
+    # values wrongly (1.989 -> 1.0), which only a bound that still catches a wrong scale allows.
+    x_q, x_s = quantize_fp8_ref(x.float(), group)
+    ref = fp8_gemm_ref(x_q, x_s, w_q, w_s, bias, out_dtype=torch.float32)
+    assert (fused - ref).norm() / ref.norm() < (1e-5 if DEVICE == "cuda" else 0.25)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "quantized"])
+def test_kernel_split_k_is_deterministic_and_leaves_its_counters_at_zero(fused):
+    """Split over K: the partial sums are added in range order by whichever program arrives
+    last, so repeated launches agree bit for bit; they equal the unsplit product up to
+    float32 reassociation; every tile's arrival counter is back at 0 (the next launch's
+    start), and a later, larger launch gets a larger workspace while the first is kept."""
+    from vlmbatch.kernels import fp8
+    from vlmbatch.kernels.fp8 import decode_config, fp8_linear_fused
+
+    x, w_q, w_s, _ = _decode_case(5, 200, 1000, "channel", torch.float32)
+    a_q, a_s = quantize_fp8(x)
+
+    def run(split: int) -> torch.Tensor:
+        config = decode_config(5, 32, 64, 4, split)
+        return fp8_linear_fused(x, w_q, w_s, config=config, out_dtype=torch.float32) if fused else fp8_gemm(a_q, a_s, w_q, w_s, out_dtype=torch.float32, config=config)
+
+    first = run(4)
+    assert torch.equal(first, run(4)) and torch.equal(first, run(4))
+    unsplit = run(1)
+    assert (first - unsplit).norm() / unsplit.norm() < 1e-6
+    assert all(int(counts.abs().sum()) == 0 for _, counts in fp8._SPLIT_WORKSPACE[x.device])
+
+
+def test_split_k_workspace_grows_by_adding_buffers(monkeypatch):
+    """A launch needing more partials or counters than are held gets new, larger buffers
+    (counters zeroed); the old ones stay held, since captured graphs keep their addresses."""
+    from vlmbatch.kernels import fp8
+
+    device = torch.device("cpu")
+    monkeypatch.setitem(fp8._SPLIT_WORKSPACE, device, [])
+    first = fp8._split_buffers(device, 1000, 10)
+    assert fp8._split_buffers(device, 1 << 20, 4096) is first  # the minimum sizes: 1M partials, 4096 counters
+    second = fp8._split_buffers(device, (1 << 20) + 1, 10)
+    assert second[0].numel() == 2 << 20 and not second[1].any() and fp8._SPLIT_WORKSPACE[device] == [first, second]
+
+
+def test_split_k_workspace_is_never_allocated_during_a_graph_capture(monkeypatch):
+    """A launch being captured uses the buffers already there (a captured graph keeps their
+    addresses) and, where they are too small, runs unsplit rather than allocate."""
+    from vlmbatch.kernels import fp8
+
+    device = torch.device("cuda", 7)  # a key only: nothing is allocated on it here
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setitem(fp8._SPLIT_WORKSPACE, device, [(torch.empty(100), torch.zeros(10, dtype=torch.int32))])
+    assert fp8._split_buffers(device, 100, 10) is fp8._SPLIT_WORKSPACE[device][-1]
+    assert fp8._split_buffers(device, 101, 10) is None and fp8._split_buffers(device, 100, 11) is None
+    assert len(fp8._SPLIT_WORKSPACE[device]) == 1
+
+
+# The layer shapes `vlmbatch bench kernels` times (3B, 7B): (N, K).
+LAYERS = {"3b qkv": (2560, 2048), "3b o": (2048, 2048), "3b gate_up": (22016, 2048), "3b down": (2048, 11008),
+          "3b lm_head": (151936, 2048), "7b qkv": (4608, 3584), "7b o": (3584, 3584), "7b gate_up": (37888, 3584),
+          "7b down": (3584, 18944), "7b lm_head": (152064, 3584)}  # fmt: skip
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the decode graphs' batch sizes up to 64
+
+
+def test_decode_plan_follows_the_measurements_and_its_own_rules():
+    """The selection table on the H200 (132 SMs): this morning's best tiles where they were
+    measured; a split over K only where the tiles leave SMs idle, filling them about once
+    and within its bounds; fused quantization only where its extra reads stay within the
+    weight's bytes or FUSED_EXTRA_BYTES."""
+    from vlmbatch.kernels.fp8 import FUSED_EXTRA_BYTES, MAX_SPLIT_K, decode_plan, fused_extra_bytes
+
+    def plan(rows, layer, per_token=True):
+        return decode_plan(rows, *LAYERS[layer], per_token)
+
+    assert plan(1, "3b qkv").fused and plan(1, "3b qkv").config.split_k == 2  # 80 strips of 32 -> 160 programs
+    assert plan(1, "3b o").config.split_k == 3 and plan(1, "7b qkv").config.split_k == 1  # 64 -> 192; 144 strips fill
+    assert (plan(1, "3b down").config.block_k, plan(64, "7b down").config.block_k) == (512, 512)
+    assert (plan(1, "3b gate_up").config.block_k, plan(16, "7b gate_up").config.block_k, plan(1, "3b lm_head").config.block_k) == (128, 128, 256)
+    for layer in ("3b gate_up", "3b lm_head", "7b lm_head"):
+        config = plan(64, layer).config
+        assert (config.block_m, config.block_n, config.block_k, config.split_k) == (64, 128, 128, 1)
+    assert plan(16, "3b qkv").fused and plan(16, "3b qkv").config.split_k == 1  # 7.9 MB of re-reads: unsplit only
+    assert not plan(16, "3b down").fused and plan(16, "3b down", per_token=False).fused
+    for (n, k), rows, per_token in ((shape, rows, p) for shape in LAYERS.values() for rows in DECODE_ROWS for p in (True, False)):
+        p = decode_plan(rows, n, k, per_token)
+        c = p.config
+        tiles = -(-rows // c.block_m) * -(-n // c.block_n)
+        assert c.block_m >= min(rows, 64) and c.block_m in (16, 32, 64)
+        assert 1 <= c.split_k <= MAX_SPLIT_K and (c.split_k == 1 or (tiles < 132 and tiles * (c.split_k - 1) < 132))
+        assert c.split_k <= max(1, -(-k // c.block_k) // 2) and c.split_k <= max(1, k // (16 * rows))
+        allowed = max(n * k, FUSED_EXTRA_BYTES)
+        if p.fused:
+            assert fused_extra_bytes(tiles, c.split_k, rows, k, per_token) <= allowed
+        else:
+            assert fused_extra_bytes(tiles, 1, rows, k, per_token) > allowed  # not even unsplit within the bound
+        assert per_token or c.block_k == 128
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 100])
+@pytest.mark.parametrize("layout", ["channel", "blocks"])
+def test_kernel_fp8_linear_runs_the_plan(rows, layout):
+    """`fp8_linear` (what `Fp8Linear` runs off cuBLAS) is, bit for bit, the launch
+    `decode_plan` names: fused, or the quantization kernel and the GEMM; past 64 rows the
+    quantization kernel and the prefill tiles."""
+    from vlmbatch.kernels.decode_attention import sm_count
+    from vlmbatch.kernels.fp8 import decode_plan, default_config, fp8_linear, fp8_linear_fused
+
+    group = GROUPS[layout]
+    x, w_q, w_s, bias = _decode_case(rows, 200, 384, layout, torch.float32)
+    out = fp8_linear(x, w_q, w_s, bias, group)
+    a_q, a_s = quantize_fp8(x, group)
+    if rows <= 64:
+        plan = decode_plan(rows, 200, 384, group is None, sm_count(x.device))
+        expected = fp8_linear_fused(x, w_q, w_s, bias, group, config=plan.config) if plan.fused else fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=plan.config)
+    else:
+        expected = fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=default_config(rows))
+    assert out.dtype == x.dtype and torch.equal(out, expected)
+
+
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 64, 512])
@@ -92,6 +251,43 @@ def test_scaled_mm_and_the_triton_gemm_agree_in_bf16_on_3b_shapes(rows):
     ref = fp8_gemm_ref(a_q, a_s, w_q, w_s, out_dtype=torch.float32)
     for out in (scaled_mm(a_q, a_s, w_q, w_s), fp8_gemm(a_q, a_s, w_q, w_s)):
         assert out.dtype == torch.bfloat16 and (out.float() - ref).norm() / ref.norm() < 2.0**-8
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+@pytest.mark.parametrize("layer", ["3b qkv", "3b o", "3b gate_up", "3b down"])
+@pytest.mark.parametrize("layout", ["channel", "blocks"])
+def test_fp8_linear_at_decode_sizes_in_bf16_on_3b_shapes(rows, layer, layout):
+    """On the GPU, bf16 input: `fp8_linear` as planned equals the quantization kernel and
+    the same GEMM launch bit for bit where it fuses, and torch's quantization with the
+    reference product up to bf16's rounding; repeated launches (split ones included) agree
+    bit for bit, eagerly and replayed in a CUDA graph with PDL (as decode graphs run them)."""
+    from vlmbatch.kernels.fp8 import decode_plan, fp8_linear
+
+    n, k = LAYERS[layer]
+    group = GROUPS[layout]
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    w_q, w_s = quantize_fp8_ref(w, None) if group is None else quantize_fp8_blocks_ref(w)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if layer.endswith("qkv") else None
+    plan = decode_plan(rows, n, k, group is None, torch.cuda.get_device_properties(0).multi_processor_count)
+    out = fp8_linear(x, w_q, w_s, bias, group)
+    if plan.fused:
+        assert torch.equal(out, fp8_gemm(*quantize_fp8(x, group), w_q, w_s, bias, config=plan.config))
+    x_q, x_s = quantize_fp8_ref(x.float(), group)
+    ref = fp8_gemm_ref(x_q, x_s, w_q, w_s, bias.float() if bias is not None else None, out_dtype=torch.float32)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).norm() / ref.norm() < 2.0**-8
+    assert all(torch.equal(out, fp8_linear(x, w_q, w_s, bias, group)) for _ in range(5))
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = fp8_linear(x, w_q, w_s, bias, group, pdl_max_rows=16)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
 
 
 @gpu
@@ -127,15 +323,19 @@ def test_kernels_run_under_the_triton_interpreter():
 
 
 @needs_kernels
+@pytest.mark.parametrize("fused", [True, False], ids=["fp8_linear", "quantize-then-gemm"])
 @pytest.mark.parametrize("layout", ["blocks", "channel"])
-def test_kernel_fp8_linear_is_the_quantized_product(layout):
+def test_kernel_fp8_linear_is_the_quantized_product(layout, fused):
     """`Fp8Linear` end to end (activation quantization + GEMM, leading dims kept) against
-    the references; on the CPU up to the interpreter's few wrong e4m3 casts of activations."""
+    the references, through `fp8_linear` (the engine's: 6 rows, fused) or the two kernels;
+    on the CPU up to the interpreter's few wrong e4m3 casts of activations."""
     from vlmbatch.engine.kernel_choice import Fp8Gemms
     from vlmbatch.engine.layers.fp8_linear import Fp8Linear
     from vlmbatch.kernels.fp8 import scaled_mm_supported
 
-    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported)
+    from vlmbatch.kernels.fp8 import fp8_linear
+
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported, fp8_linear if fused else None)
     w = torch.randn(192, 256, device=DEVICE) * 0.02
     w_q, w_s = quantize_fp8_blocks_ref(w) if layout == "blocks" else quantize_fp8_ref(w, None)
     bias = torch.randn(192, device=DEVICE)

@@ -5,6 +5,16 @@ weights cycled past the L2 (as a decode step reads them): bf16 `F.linear`; the b
 (1x128 activation groups, 128x128 weight blocks) on our Triton GEMM; the per-channel layout
 on our Triton GEMM and on cuBLAS (`torch._scaled_mm`). `KernelSet.fp8`'s rule (Triton up
 to `FP8_TRITON_MAX_ROWS` rows, cuBLAS above, for per-channel weights) is read off this table.
+
+Up to 64 rows it also times what `Fp8Linear` runs there (`fp8 channel plan` / `fp8 block
+plan`: `kernels.fp8.fp8_linear` as `fp8.decode_plan` chose, the launch in the name) and,
+at 1, 16 and 64 rows, the sweep around it: unsplit tiles with a separate quantization
+(`fp8 channel triton bn/bk/w`, `fp8.FP8_DECODE_TILES`; bn32/bk256/w4 was this morning's
+default), and `fp8.FP8_SPLIT_TILES` fused (`fp8 channel fused bn/bk/w/s`, one launch) and
+split with a separate quantization (`fp8 channel split`). `fp8 channel triton` and `fp8
+block triton` are the separate quantization and `fp8_gemm`'s default launch (the plan's
+tile and split up to 64 rows). `exact` says whether a fused launch returned bit for bit
+what the quantization kernel and the same GEMM launch return; `error`, why a variant failed.
 """
 
 from __future__ import annotations
@@ -17,11 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vlmbatch.kernels.fp8 import FP8_DECODE_TILES, decode_config, fp8_gemm, quantize_fp8, scaled_mm
+from vlmbatch.kernels.fp8 import (FP8_DECODE_TILES, FP8_SPLIT_TILES, Fp8GemmConfig, decode_config, decode_plan, fp8_gemm, fp8_linear,
+                                  fp8_linear_fused, fused_config, quantize_fp8, scaled_mm)
+from vlmbatch.kernels.decode_attention import sm_count
 from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 from vlmbatch.testing.fp8_checkpoints import quantization_config
 
-FP8_ROWS = (1, 16, 64, 256, 2048)
+FP8_ROWS = (1, 4, 16, 32, 64, 256, 2048)
+FP8_SWEEP_ROWS = (1, 16, 64)  # rows with the whole sweep; the others time bf16, the plans and this morning's default tile
 
 # Logit bound of FP8 (w8a8 e4m3) against fp32 transformers on the same (round-tripped)
 # weights where the reference cannot round the activations as our kernels do (the MoE
@@ -100,11 +113,17 @@ def vllm_model_folder(folder: Path, quantization: str) -> Path:
     return target
 
 
+def launch_name(config: Fp8GemmConfig) -> str:
+    return f"bn{config.block_n}/bk{config.block_k}/w{config.num_warps}/s{config.split_k}"
+
+
 def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph_ms_per_call: Callable, bytes_per_graph: int,
                      rows: tuple[int, ...] = FP8_ROWS) -> list[dict]:  # fmt: skip
     """One row per (model, layer, rows, variant); rel_err against bf16 `F.linear` on the
     unquantized weight (the first of each cycle). `shapes`, `graph_ms_per_call` and
     `bytes_per_graph` are `bench.kernels`' (the bf16 linear section's)."""
+    from triton.runtime.errors import OutOfResources
+
     out = []
     for model, layers in shapes.items():
         for name, n, k in layers:
@@ -116,24 +135,76 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
             for num_rows in rows:
                 x = torch.randn(num_rows, k, device=device, dtype=torch.bfloat16)
                 expected = F.linear(x, base).float()
+                decode, sweep = num_rows <= 64, num_rows in FP8_SWEEP_ROWS
 
-                def add(variant: str, fn: Callable, weights: list, nbytes: int) -> None:
-                    result = fn(weights[0]).float()
+                def add(variant: str, fn: Callable, weights: list, nbytes: int, unfused: Callable | None = None) -> None:
+                    try:
+                        result = fn(weights[0])
+                    except OutOfResources:  # a launch whose tiles do not fit in shared memory
+                        return
+                    except Exception as exc:  # noqa: BLE001 - one variant failing must not end the run: the row says why
+                        out.append({"model": model, "layer": name, "rows": num_rows, "variant": variant, "error": repr(exc)[:300]})
+                        return
                     ms = graph_ms_per_call(fn, weights)
-                    out.append({"model": model, "layer": name, "rows": num_rows, "variant": variant, "us": 1000 * ms,
-                                "weight_tb_s": nbytes / ms / 1e9, "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tb_s,
-                                "rel_err": ((result - expected).norm() / expected.norm()).item()})  # fmt: skip
+                    row = {"model": model, "layer": name, "rows": num_rows, "variant": variant, "us": 1000 * ms,
+                           "weight_tb_s": nbytes / ms / 1e9, "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tb_s,
+                           "rel_err": ((result.float() - expected).norm() / expected.norm()).item()}  # fmt: skip
+                    if unfused is not None:
+                        row["exact"] = torch.equal(result, unfused(weights[0]))
+                    out.append(row)
+
+                def fused(group: int | None, config: Fp8GemmConfig) -> tuple[Callable, Callable]:
+                    return (lambda w: fp8_linear_fused(x, *w, group=group, config=config),
+                            lambda w: fp8_gemm(*quantize_fp8(x, group), *w, config=config))
 
                 add("bf16 cublas", lambda w: F.linear(x, w), bf16, 2 * n * k)
-                add("fp8 block triton", lambda w: fp8_gemm(*quantize_fp8(x, 128), *w), block, n * k)
-                add("fp8 channel triton", lambda w: fp8_gemm(*quantize_fp8(x), *w), channel, n * k)
-                for tile in FP8_DECODE_TILES if num_rows <= 64 else ():
+                if decode:
+                    for group, layout, weights in ((None, "channel", channel), (128, "block", block)):
+                        plan = decode_plan(num_rows, n, k, group is None, sm_count(device))  # what `fp8_linear` picks
+                        how = "fused" if plan.fused else "quantize +"
+                        add(f"fp8 {layout} plan: {how} {launch_name(plan.config)}", lambda w, g=group: fp8_linear(x, *w, group=g), weights,
+                            n * k, fused(group, plan.config)[1] if plan.fused else None)  # fmt: skip
+                if not decode or sweep:
+                    add("fp8 block triton", lambda w: fp8_gemm(*quantize_fp8(x, 128), *w), block, n * k)
+                    add("fp8 channel triton", lambda w: fp8_gemm(*quantize_fp8(x), *w), channel, n * k)
+                for tile in FP8_DECODE_TILES if sweep else ((32, 256, 4),) if decode else ():
                     config = decode_config(num_rows, *tile)
                     add("fp8 channel triton bn{}/bk{}/w{}".format(*tile),
                         lambda w, config=config: fp8_gemm(*quantize_fp8(x), *w, config=config), channel, n * k)
-                if n % 16 == 0 and k % 16 == 0:
+                for tile in FP8_SPLIT_TILES if sweep else ():
+                    for group, layout, weights in ((None, "channel", channel), (128, "block", block)):
+                        if group is not None and tile[1] != 128:
+                            continue
+                        config = fused_config(num_rows, *tile)
+                        run, unfused = fused(group, config)
+                        add(f"fp8 {layout} fused {launch_name(config)}", run, weights, n * k, unfused)
+                    if tile[3] > 1:
+                        config = decode_config(num_rows, *tile)
+                        add(f"fp8 channel split {launch_name(config)}", lambda w, config=config: fp8_gemm(*quantize_fp8(x), *w, config=config),
+                            channel, n * k)  # fmt: skip
+                if n % 16 == 0 and k % 16 == 0 and (not decode or sweep):
                     add("fp8 channel cublas", lambda w: scaled_mm(*quantize_fp8(x), *w), channel, n * k)
             del bf16, block, channel
+    return out
+
+
+def best_fp8_rows(rows: list[dict]) -> list[dict]:
+    """Per (model, layer, rows): bf16 cuBLAS, the plans, and the fastest FP8 variant of each
+    layout, with the plan's time against bf16 (`vs_bf16` < 1: FP8 is faster)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["layer"], row["rows"]), []).append(row)
+    out = []
+    for key, group in groups.items():
+        bf16 = next((r for r in group if r["variant"] == "bf16 cublas"), None)
+        picked = [r for r in group if r["variant"].startswith(("fp8 channel plan", "fp8 block plan"))]
+        for layout in ("channel", "block"):
+            candidates = [r for r in group if r["variant"].startswith(f"fp8 {layout}") and "plan" not in r["variant"] and "us" in r]
+            if candidates:
+                best = min(candidates, key=lambda r: r["us"])
+                picked.append({**best, "variant": f"best: {best['variant']}"})
+        for row in (r for r in picked if "us" in r):
+            out.append({**row, "bf16_us": bf16["us"] if bf16 else None, "vs_bf16": row["us"] / bf16["us"] if bf16 else None})
     return out
 
 

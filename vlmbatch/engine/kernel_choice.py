@@ -41,6 +41,9 @@ class Fp8Gemms:
     scaled_mm: Callable  # `kernels.fp8.scaled_mm`: cuBLAS, per-token x per-channel only
     triton_max_rows: int  # per-channel products of more rows go to `scaled_mm` where it applies
     scaled_mm_shapes: Callable[[int, int], bool]  # (N, K) -> whether cuBLAS takes them
+    # `kernels.fp8.fp8_linear`: (x, w_q, w_s, bias, group, out_dtype) -> out, quantizing `x` itself
+    # (fused into the GEMM at decode sizes, `fp8.decode_plan`); None: `quantize` then `gemm`
+    linear: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class KernelSet:
 
     def describe(self) -> str:
         pdl = f"PDL up to {self.pdl_max_rows} rows in decode graphs" if self.pdl_max_rows else "no PDL"
-        fp8 = f", fp8 GEMMs triton up to {self.fp8.triton_max_rows} rows then cuBLAS" if self.fp8 else ""
+        fp8 = f", fp8 GEMMs triton up to {self.fp8.triton_max_rows} rows (fp8.decode_plan) then cuBLAS" if self.fp8 else ""
         return f"{self.name} norms/rotary/activation, decode linear {self.decode_linear}, {pdl}{fp8}"
 
 
@@ -92,7 +95,8 @@ def fp8_gemms(device: torch.device, pdl_max_rows: int = 0) -> Fp8Gemms | None:
     kernels = importlib.import_module("vlmbatch.kernels")
     return Fp8Gemms(functools.partial(kernels.quantize_fp8, pdl_max_rows=pdl_max_rows),
                     functools.partial(kernels.fp8_gemm, pdl_max_rows=pdl_max_rows),
-                    kernels.fp8.scaled_mm, FP8_TRITON_MAX_ROWS, kernels.fp8.scaled_mm_supported)  # fmt: skip
+                    kernels.fp8.scaled_mm, FP8_TRITON_MAX_ROWS, kernels.fp8.scaled_mm_supported,
+                    functools.partial(kernels.fp8.fp8_linear, pdl_max_rows=pdl_max_rows))  # fmt: skip
 
 
 def choose_kernels(config: EngineConfig, device: torch.device, attention_backend: str) -> KernelSet:

@@ -5,9 +5,11 @@ output channel (compressed-tensors checkpoints, online quantization) or
 [ceil(N/128), ceil(K/128)] per 128x128 block (block-wise checkpoints; [N, ceil(K/128)]
 when fused projections are not multiples of 128 rows, as in the tiny test models). Each
 call quantizes its input per token (channel layout) or per token and 128 columns (block
-layout) with `vlmbatch.kernels.quantize_fp8`, then multiplies with `torch._scaled_mm` or
-`vlmbatch.kernels.fp8_gemm`, as `KernelSet.fp8` chose for the product's rows. Nothing
-syncs with the host, so decode graphs capture it.
+layout), then multiplies: above `KernelSet.fp8.triton_max_rows` rows (64) through
+`torch._scaled_mm` after `vlmbatch.kernels.quantize_fp8` where cuBLAS takes the shape, else
+through `vlmbatch.kernels.fp8.fp8_linear`, which at decode sizes quantizes inside the GEMM
+(one launch) or in a launch of its own as `fp8.decode_plan` says. Nothing syncs with the
+host, so decode graphs capture it.
 
 Where FP8 cannot run (the CPU) the engine never builds these: `fp8_weights` gives the
 same fp8 values and scales, and `dequantize` turns them into the compute-dtype weight of a
@@ -45,10 +47,14 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
-        q, s = self.gemms.quantize(x, None if self.per_channel else GROUP)
+        group = None if self.per_channel else GROUP
         if self.use_scaled_mm and x.shape[0] > self.gemms.triton_max_rows:
+            q, s = self.gemms.quantize(x, group)
             out = self.gemms.scaled_mm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
+        elif self.gemms.linear is not None:  # Triton, quantizing as `fp8.decode_plan` says (fused at decode sizes)
+            out = self.gemms.linear(x, self.weight, self.weight_scale, self.bias, group, x.dtype)
         else:
+            q, s = self.gemms.quantize(x, group)
             out = self.gemms.gemm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
