@@ -1,5 +1,5 @@
-"""Gemma 3 in the paged engine: the checkpoint's SigLIP tower and pooling projector, our
-decoder with Gemma's layers (see `decoder_spec`), one image's tokens attending to each
+"""Gemma 3 in the paged engine: our SigLIP tower (`families/siglip_tower.py`) on the
+checkpoint's weights, its pooling projector, our decoder with Gemma's layers (see `decoder_spec`), one image's tokens attending to each
 other in prefill (`bidirectional_media`), as `transformers` masks them."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from vlmbatch.engine.decoder import DecoderSpec, LayerAttention
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
 from vlmbatch.engine.vision_language import VisionLanguageModel, on_device, pooled
 from vlmbatch.families.prompt import IMAGE, MediaItem
+from vlmbatch.families.siglip_tower import SiglipTower
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
-class Gemma3Model(VisionLanguageModel):
+class Gemma3Model(SiglipTower, VisionLanguageModel):
     bidirectional_media = True
 
     @property
@@ -27,7 +28,7 @@ class Gemma3Model(VisionLanguageModel):
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
         """SigLIP, then the projector: average-pooled to `mm_tokens_per_image`, normed, projected."""
         pixels = on_device(items, "pixel_values", self.device).to(self.hf.dtype)
-        return pooled(self.hf.model.get_image_features(pixel_values=pixels))
+        return pooled(self.hf.model.multi_modal_projector(self.vision_hidden(pixels)))
 
     @classmethod
     def decoder_spec(cls, text_config: Any) -> DecoderSpec:

@@ -1,5 +1,6 @@
-"""Idefics3 / SmolVLM in the paged engine: the checkpoint's SigLIP-style tower and pixel-shuffle
-connector on every tile of a step at once, a Llama decoder with 1-D RoPE."""
+"""Idefics3 / SmolVLM in the paged engine: our SigLIP tower (`families/siglip_tower.py`) on the
+checkpoint's weights and its pixel-shuffle connector on every tile of a step at once, a
+Llama decoder with 1-D RoPE."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import torch
 
 from vlmbatch.engine.vision_language import VisionLanguageModel, on_device
 from vlmbatch.families.prompt import IMAGE, MediaItem
+from vlmbatch.families.siglip_tower import SiglipTower
 
 
-class Idefics3Model(VisionLanguageModel):
+class Idefics3Model(SiglipTower, VisionLanguageModel):
     language_model_attr = "text_model"
+    siglip_attr = "vision_model"
 
     @property
     def placeholder_token_ids(self) -> dict[str, int]:
@@ -18,9 +21,10 @@ class Idefics3Model(VisionLanguageModel):
 
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
         """Every tile is a full square (the processor pads nothing inside one), so the tower
-        runs without a patch mask, as `transformers` runs it on unpadded tiles."""
+        runs without a patch mask, as `transformers` runs it on unpadded tiles (every patch at
+        its bucketed position id, all attending to each other): what ours does."""
         pixels = on_device(items, "pixel_values", self.device).to(self.hf.dtype)
-        hidden = self.hf.model.vision_model(pixel_values=pixels).last_hidden_state
+        hidden = self.vision_hidden(pixels)
         features = self.hf.model.connector(hidden)
         return features.reshape(-1, features.shape[-1])
 

@@ -32,12 +32,16 @@ class LlavaNextModel(VisionLanguageModel):
         """Projected features [tiles, tokens, hidden] of tower-sized crops, selected as the
         config says (`vision_feature_layer`, CLS dropped by the "default" strategy); only the
         selected layer's hidden states are kept."""
-        layer = self.config.vision_feature_layer
-        states = self.hf.model.vision_tower(pixels, output_hidden_states=layer, return_dict=True).hidden_states
-        hidden = states[layer] if isinstance(layer, int) else torch.cat([states[i] for i in layer], dim=-1)
+        hidden = self.vision_hidden(pixels)
         if self.config.vision_feature_select_strategy == "default":
             hidden = hidden[:, 1:]
         return self.hf.model.multi_modal_projector(hidden)
+
+    def vision_hidden(self, pixels: torch.Tensor) -> torch.Tensor:
+        """`transformers`' tower's hidden states at `vision_feature_layer` (OneVision: ours)."""
+        layer = self.config.vision_feature_layer
+        states = self.hf.model.vision_tower(pixels, output_hidden_states=True, return_dict=True).hidden_states
+        return states[layer] if isinstance(layer, int) else torch.cat([states[i] for i in layer], dim=-1)
 
     def pack(self, tiles: list[torch.Tensor], image_sizes: torch.Tensor) -> list[torch.Tensor]:
         """Each image's [tokens, hidden] from its tiles' features, by `transformers`' rule."""

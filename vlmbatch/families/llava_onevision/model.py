@@ -2,17 +2,26 @@
 (grids above `vision_aspect_ratio`'s tile budget downsampled bilinearly, base-only images
 of multi-image prompts with one newline), and videos: every frame of a step's videos
 through the tower in one batch, pooled 2x2 by `transformers`' own `apply_pooling`, then
-one `image_newline` per video, as `get_video_features` does."""
+one `image_newline` per video, as `get_video_features` does. The tower is ours
+(`families/siglip_tower.py`, only the layers up to `vision_feature_layer`) where the
+checkpoint's is SigLIP, as the released ones are."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from vlmbatch.families.llava_next.model import LlavaNextModel
 from vlmbatch.families.prompt import IMAGE, VIDEO, MediaItem
+from vlmbatch.families.siglip_tower import SiglipTower
 
 
-class LlavaOnevisionModel(LlavaNextModel):
+class LlavaOnevisionModel(SiglipTower, LlavaNextModel):
+    @classmethod
+    def feature_layers(cls, config: Any) -> int | list[int]:
+        return config.vision_feature_layer
+
     @property
     def placeholder_token_ids(self) -> dict[str, int]:
         return {IMAGE: self.config.image_token_id, VIDEO: self.config.video_token_id}
