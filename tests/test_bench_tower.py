@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -30,3 +31,23 @@ def test_bench_tower_refuses_a_family_without_a_tower_of_ours():
     result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny_internvl", "--device", "cpu"])
     assert result.exit_code == 2
     assert "internvl family runs transformers' vision tower" in result.output and "qwen3_vl_8b" in result.output
+
+
+@pytest.mark.parametrize("shape, family", [("tiny_gemma3", "gemma3"), ("tiny_llava_onevision", "llava_onevision"),
+                                           ("tiny_smolvlm", "smolvlm")])
+def test_bench_tower_runs_the_siglip_families(tmp_path, shape, family):
+    """Our SigLIP tower against transformers' on every tile of the W1 images (CPU, fp32)."""
+    out = tmp_path / "tower.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", shape, "--images", "2", "--device", "cpu",
+                                          "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["family"] == family and report["images"] == 2 and report["tiles"] >= 2
+    assert len(report["relative_error_per_level"]) == 1 and report["relative_error"] <= 1e-5
+    for tower in ("transformers", "vlmbatch"):
+        assert report[tower]["ms_per_image"] > 0 and report[tower]["flops"] > 0

@@ -12,8 +12,15 @@ SDPA's on the GPU, not the CPU's SDPA kernel) and TFLOP/s,
 and the relative L2 error of ours against `transformers`' output (each block of columns:
 the merged features, then each DeepStack level), which should be bf16 rounding.
 
-Only shapes whose family has a tower of ours run (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE);
-others are refused, naming those that do.
+The SigLIP families (Gemma 3, LLaVA-OneVision, Idefics3/SmolVLM: `engine/layers/siglip.py`)
+compare the tower's features as the family reads them (Gemma 3 and Idefics3: the
+post-layernormed last layer; LLaVA-OneVision: `vision_feature_layer`'s hidden states) over
+every tile of the batch's images (one 896 px crop an image on Gemma 3; OneVision's and
+SmolVLM's tilings give several), before the projector / connector, which stays
+`transformers`'.
+
+Only shapes whose family has a tower of ours run (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, and
+the SigLIP families); others are refused, naming those that do.
 """
 
 from __future__ import annotations
@@ -33,12 +40,16 @@ TIMED_CALLS = 5
 WORKLOAD_SEED = 7
 
 
-def tower_class(family: str) -> Any:
-    """The family's own vision tower class, or None where the engine runs `transformers`'."""
+def _engine_model(family: str) -> Any:
     from vlmbatch.families.registry import FAMILIES
 
     registered = FAMILIES.get(family)
-    return None if registered is None else getattr(registered.parts().ENGINE_MODEL, "tower_class", None)
+    return None if registered is None else registered.parts().ENGINE_MODEL
+
+
+def tower_class(family: str) -> Any:
+    """The family's own vision tower class, or None where the engine runs `transformers`'."""
+    return getattr(_engine_model(family), "tower_class", None)
 
 
 def check_shape(shape: ModelShape) -> None:
@@ -60,17 +71,47 @@ def transformers_features(hf_model: torch.nn.Module, pixels: torch.Tensor, grids
     return pooled(hf_model.model.get_image_features(pixels, grids))
 
 
-def w1_batch(path: Path, images: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pixels (on `device`, in `dtype`) and grids of `images` W1 images, through the product's adapter."""
+def w1_items(path: Path, images: int, dtype: torch.dtype) -> list[Any]:
+    """The media items of `images` W1 images, through the product's adapter."""
     from vlmbatch.bench.adapt import engine_prompts
     from vlmbatch.bench.workloads import build_workload
     from vlmbatch.families.registry import load_adapter
 
     adapter = load_adapter(str(path))
-    items = [item for prompt in engine_prompts(build_workload("w1", adapter, images, WORKLOAD_SEED), adapter, dtype)
-             for item in prompt.media]
+    return [item for prompt in engine_prompts(build_workload("w1", adapter, images, WORKLOAD_SEED), adapter, dtype)
+            for item in prompt.media]
+
+
+def w1_batch(path: Path, images: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixels (on `device`, in `dtype`) and grids of `images` W1 images (Qwen-VL items)."""
+    items = w1_items(path, images, dtype)
     pixels = torch.cat([item.tensors["pixel_values"] for item in items]).to(device)
     return pixels, torch.cat([item.tensors["image_grid_thw"] for item in items])
+
+
+def _qwen_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, images: int, dtype: torch.dtype,
+                  device: torch.device, kernels: Any) -> dict[str, Any]:
+    pixels, grids = w1_batch(path, images, dtype, device)
+    tower = tower_class(shape.family).from_hf(hf_model.model.visual, device, dtype, kernels)
+    grids_on_device = grids.to(device)
+    return {"ours": lambda: tower(pixels, grids), "theirs": lambda: transformers_features(hf_model, pixels, grids_on_device),
+            "levels": 1 + len(getattr(hf_model.config.vision_config, "deepstack_visual_indexes", None) or []),
+            "patches": int(grids.prod(-1).sum()), "grids": sorted({tuple(g) for g in grids.tolist()})}
+
+
+def _siglip_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, images: int, dtype: torch.dtype,
+                    device: torch.device, kernels: Any) -> dict[str, Any]:
+    """Every tile of the W1 images through both SigLIP towers, as the family hands them over."""
+    model_class = _engine_model(shape.family)
+    pixels = torch.cat([item.tensors["pixel_values"].reshape(-1, *item.tensors["pixel_values"].shape[-3:])
+                        for item in w1_items(path, images, dtype)]).to(device, dtype)
+    tower = model_class.siglip_from_hf(hf_model, device, dtype)
+    if tower is None:
+        raise ShapeError(f"{shape.name}: its vision tower is not one of ours ({type(getattr(hf_model.model, model_class.siglip_attr)).__name__})")
+    patch = tower.embeddings.patch
+    return {"ours": lambda: tower(pixels), "theirs": lambda: model_class.transformers_hidden(hf_model, pixels), "levels": 1,
+            "patches": len(pixels) * (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch), "tiles": len(pixels),
+            "grids": [(len(pixels), pixels.shape[-2] // patch, pixels.shape[-1] // patch)]}
 
 
 def _sync(device: torch.device) -> None:
@@ -110,30 +151,29 @@ def run_tower_bench(shape: ModelShape, images: int, device: torch.device) -> dic
 
     check_shape(shape)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_model_folder(shape, Path(tmp))
-        pixels, grids = w1_batch(path, images, dtype, device)
-        hf_model = random_hf_model(path, dtype, device)
-    hf_model.model.language_model, hf_model.lm_head = None, None  # only the tower is timed
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    model_class = _engine_model(shape.family)
     backend, _ = resolve_backend("auto", device)
     kernels = choose_kernels(EngineConfig(), device, backend)
-    tower = tower_class(shape.family).from_hf(hf_model.model.visual, device, dtype, kernels)
-    grids_on_device = grids.to(device)
-    theirs = transformers_features(hf_model, pixels, grids_on_device)
-    ours = tower(pixels, grids)
-    levels = 1 + len(getattr(hf_model.config.vision_config, "deepstack_visual_indexes", None) or [])
+    subject = _siglip_subject if hasattr(model_class, "siglip_from_hf") else _qwen_subject
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_model_folder(shape, Path(tmp))
+        hf_model = random_hf_model(path, dtype, device)
+        setattr(hf_model.model, model_class.language_model_attr, None)  # only the tower is timed
+        hf_model.lm_head = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        run = subject(shape, hf_model, path, images, dtype, device, kernels)
+    theirs, ours, levels = run["theirs"](), run["ours"](), run["levels"]
     errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(ours.chunk(levels, -1), theirs.chunk(levels, -1))]
     del ours, theirs
     report = {
         "benchmark": "tower", "model_shape": shape.name, "family": shape.family, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "kernels": kernels.describe(), "images": images,
-        "patches": int(grids.prod(-1).sum()), "grids": sorted({tuple(g) for g in grids.tolist()}),
+        "patches": run["patches"], "tiles": run.get("tiles"), "grids": run["grids"],
         "relative_error": max(errors), "relative_error_per_level": errors,
-        "transformers": time_tower(lambda: transformers_features(hf_model, pixels, grids_on_device), device, images),
-        "vlmbatch": time_tower(lambda: tower(pixels, grids), device, images),
+        "transformers": time_tower(run["theirs"], device, images),
+        "vlmbatch": time_tower(run["ours"], device, images),
     }
     report["speedup"] = report["transformers"]["median_ms"] / report["vlmbatch"]["median_ms"]
     return report
@@ -157,7 +197,8 @@ def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | N
     console = Console()
     console.print(table)
     levels = ", ".join(f"{e:.2e}" for e in report["relative_error_per_level"])
-    console.print(f"relative error, ours vs transformers (merged, then each DeepStack level): {levels}")
+    which = " (merged, then each DeepStack level)" if len(report["relative_error_per_level"]) > 1 else ""
+    console.print(f"relative error, ours vs transformers{which}: {levels}")
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=2) + "\n")
