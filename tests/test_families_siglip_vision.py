@@ -129,3 +129,51 @@ def test_bf16_tower_on_cuda_matches_transformers_fp32(model):
     ours = tower(pixels.bfloat16())
     bound = max(2 * _relative_error(theirs, reference), 2e-2)
     assert _relative_error(ours, reference) <= bound
+
+
+def _copies_around_attention(tower, pixels, monkeypatch):
+    """(q/k/v SDPA got are views of the fused q/k/v output, out_proj reads SDPA's output
+    in place) for the first layer of `tower` on `pixels`."""
+    from vlmbatch.engine.layers import siglip
+
+    seen = {}
+    real = siglip.F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kwargs):
+        out = real(q, k, v, **kwargs)
+        seen.setdefault("views", all(t._base is not None for t in (q, k, v)) and q._base is k._base is v._base)
+        seen.setdefault("out", out.data_ptr())
+        return out
+
+    monkeypatch.setattr(siglip.F, "scaled_dot_product_attention", sdpa)
+    layer = tower.encoder.layers[0].self_attn
+    def read(_, args):
+        seen.setdefault("read", args[0].data_ptr())  # returns None: the input stays as it is
+
+    handle = layer.out_proj.register_forward_pre_hook(read)
+    try:
+        with torch.no_grad():
+            tower(pixels)
+    finally:
+        handle.remove()
+    return seen["views"], seen["out"] == seen["read"]
+
+
+def test_q_k_v_and_the_attention_output_are_not_copied(model, monkeypatch):
+    """The point of the layout: SDPA reads strided views of the one q/k/v matmul, and the
+    output projection reads SDPA's output as [B, L, H*D] in place (CPU SDPA, fp32)."""
+    arch, hf = model
+    family = _engine_model(arch)
+    tower = family.siglip_from_hf(hf, torch.device("cpu"), torch.float32)
+    assert _copies_around_attention(tower, _pixels(getattr(hf.model, family.siglip_attr).config, images=2), monkeypatch) == (True, True)
+
+
+@pytest.mark.gpu
+def test_no_copies_around_attention_on_cuda(model, monkeypatch):
+    """As above with bf16 on CUDA (flash / cuDNN SDPA: whichever backend SDPA picks)."""
+    arch, hf = model
+    family = _engine_model(arch)
+    device = torch.device("cuda")
+    tower = family.siglip_from_hf(hf, device, torch.bfloat16)
+    pixels = _pixels(getattr(hf.model, family.siglip_attr).config, images=2).to(device, torch.bfloat16)
+    assert _copies_around_attention(tower, pixels, monkeypatch) == (True, True)
