@@ -107,7 +107,8 @@ def _siglip_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, im
                         for item in w1_items(path, images, dtype)]).to(device, dtype)
     tower = model_class.siglip_from_hf(hf_model, device, dtype)
     if tower is None:
-        raise ShapeError(f"{shape.name}: its vision tower is not one of ours ({type(getattr(hf_model.model, model_class.siglip_attr)).__name__})")
+        theirs = type(getattr(hf_model.model, model_class.siglip_attr)).__name__
+        raise ShapeError(f"{shape.name}: its vision tower ({theirs}) is not one ours rebuilds")
     patch = tower.embeddings.patch
     return {"ours": lambda: tower(pixels), "theirs": lambda: model_class.transformers_hidden(hf_model, pixels), "levels": 1,
             "patches": len(pixels) * (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch), "tiles": len(pixels),

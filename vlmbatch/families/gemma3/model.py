@@ -1,6 +1,7 @@
 """Gemma 3 in the paged engine: our SigLIP tower (`families/siglip_tower.py`) on the
-checkpoint's weights, its pooling projector, our decoder with Gemma's layers (see `decoder_spec`), one image's tokens attending to each
-other in prefill (`bidirectional_media`), as `transformers` masks them."""
+checkpoint's weights, its pooling projector, our decoder with Gemma's layers (see
+`decoder_spec`), one image's tokens attending to each other in prefill
+(`bidirectional_media`), as `transformers` masks them."""
 
 from __future__ import annotations
 
