@@ -42,7 +42,7 @@ def test_bench_tower_runs_the_siglip_families(tmp_path, shape, family):
     torch.set_num_threads(1)
     try:
         result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", shape, "--images", "2", "--device", "cpu",
-                                          "--json", str(out)])
+                                          "--json", str(out), "--profile"])
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
@@ -51,3 +51,4 @@ def test_bench_tower_runs_the_siglip_families(tmp_path, shape, family):
     assert len(report["relative_error_per_level"]) == 1 and report["relative_error"] <= 1e-5
     for tower in ("transformers", "vlmbatch"):
         assert report[tower]["ms_per_image"] > 0 and report[tower]["flops"] > 0
+        assert report["profile"][tower] and all(row["ms"] >= 0 and 0 <= row["share"] <= 1 for row in report["profile"][tower])

@@ -1,6 +1,6 @@
 """`vlmbatch bench tower`: our vision tower against `transformers`' on the same weights and images.
 
-    vlmbatch bench tower [--model-shape qwen3_vl_8b] [--images 64] [--device auto] [--json bench-out/tower.json]
+    vlmbatch bench tower [--model-shape qwen3_vl_8b] [--images 64] [--device auto] [--json bench-out/tower.json] [--profile]
 
 One `transformers` model of the shape with random weights (bf16 on a GPU, fp32 on the
 CPU; its language model dropped once built); our tower (the family's `tower_class`) is
@@ -10,7 +10,9 @@ prefill step hands them over): a warm-up call, then the median of 5 timed calls 
 Printed and written: ms per image, the FLOPs of one call (`FlopCounterMode`; it counts
 SDPA's on the GPU, not the CPU's SDPA kernel) and TFLOP/s,
 and the relative L2 error of ours against `transformers`' output (each block of columns:
-the merged features, then each DeepStack level), which should be bf16 rounding.
+the merged features, then each DeepStack level), which should be bf16 rounding. `--profile`
+adds one profiled call of each: its top kernels by device time (what shows whether the
+copies around attention are gone).
 
 The SigLIP families (Gemma 3, LLaVA-OneVision, Idefics3/SmolVLM: `engine/layers/siglip.py`)
 compare the tower's features as the family reads them (Gemma 3 and Idefics3: the
@@ -143,7 +145,27 @@ def time_tower(encode, device: torch.device, images: int) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def run_tower_bench(shape: ModelShape, images: int, device: torch.device) -> dict[str, Any]:
+def top_kernels(encode, device: torch.device, top: int = 8) -> list[dict[str, Any]]:
+    """One profiled call of `encode`: its `top` kernels by device time (CPU: ops by self CPU
+    time), each with its calls, ms and share of the call's total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        encode()
+        _sync(device)
+    events = prof.key_averages()
+
+    def time_us(event: Any) -> float:
+        return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)) if cuda else event.self_cpu_time_total
+
+    total = sum(time_us(e) for e in events) or 1.0
+    rows = sorted(events, key=time_us, reverse=True)[:top]
+    return [{"name": e.key, "calls": e.count, "ms": time_us(e) / 1000, "share": time_us(e) / total} for e in rows]
+
+
+@torch.no_grad()
+def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profile: bool = False) -> dict[str, Any]:
     """Both towers on one W1 batch of `images`; the report `run` prints and writes."""
     from vlmbatch.bench.shapes import random_hf_model, write_model_folder
     from vlmbatch.config import EngineConfig
@@ -177,15 +199,17 @@ def run_tower_bench(shape: ModelShape, images: int, device: torch.device) -> dic
         "vlmbatch": time_tower(run["ours"], device, images),
     }
     report["speedup"] = report["transformers"]["median_ms"] / report["vlmbatch"]["median_ms"]
+    if profile:
+        report["profile"] = {"transformers": top_kernels(run["theirs"], device), "vlmbatch": top_kernels(run["ours"], device)}
     return report
 
 
-def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | None) -> dict[str, Any]:
+def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | None, profile: bool = False) -> dict[str, Any]:
     """The command: the bench, its table on stdout, the report written to `json_out`."""
     from rich.console import Console
     from rich.table import Table
 
-    report = run_tower_bench(shape, images, device)
+    report = run_tower_bench(shape, images, device, profile)
     table = Table(title=f"vision tower: {shape.name}, {images} W1 images ({report['patches']:,} patches), "
                         f"{report['dtype']} on {report['device_name']}")
     for column in ("tower", "ms / image", "ms / batch", "GFLOP / image", "TFLOP/s", "speed-up"):
@@ -200,6 +224,9 @@ def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | N
     levels = ", ".join(f"{e:.2e}" for e in report["relative_error_per_level"])
     which = " (merged, then each DeepStack level)" if len(report["relative_error_per_level"]) > 1 else ""
     console.print(f"relative error, ours vs transformers{which}: {levels}")
+    for name, rows in report.get("profile", {}).items():
+        console.print(f"top kernels, {name}: " + "; ".join(f"{r['name'][:60]} x{r['calls']} {r['ms']:.2f} ms ({r['share']:.0%})"
+                                                           for r in rows))
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=2) + "\n")
