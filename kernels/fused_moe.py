@@ -17,7 +17,10 @@ gives each (token, slot) pair its own programs (a GEMV, nothing to sort), and `t
 gives each token's programs its k experts' down rows, summed in the kernel. At batch 1,
 reading the 8 experts takes ~18 us at copy bandwidth, so each launch's fixed cost (a few
 us of ramp, tail and gap between kernels) counts; an expert that two pairs chose is read
-twice, which costs little while few tokens share one.
+twice, which costs little while few tokens share one. Each of the two is a GEMV or (a
+tile's `mma_rows`) a tensor-core variant whose weight tiles stream through Triton's
+cp.async pipeline, optionally with each program's whole weight slice asked of L2 up front
+(`prefetch`); the table says which, per stage and token count.
 
 A decode step is bound by reading the weights of the experts its tokens chose (9.4 MB an
 expert at the 30B-A3B shapes), so the work depends on bytes, not FLOPs: grids are sized
@@ -67,7 +70,9 @@ class GemmTile:
     0 for the GEMV kernels (`_pair_gate_up_kernel`, `_token_down_kernel`), else the rows of
     the tensor-core tile of their MMA variants (one real row, the rest masked: the weight
     tiles then stream through the software pipeline, num_stages deep, as the grouped GEMMs'
-    do, while no sort is needed)."""
+    do, while no sort is needed). `prefetch` (MMA variants, on a CUDA device): each program
+    first asks L2 for its whole weight slice (`_prefetch_l2`), so that all of its bytes are
+    in flight at once rather than num_stages tiles of them."""
 
     block_n: int
     block_k: int
@@ -75,6 +80,7 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     mma_rows: int = 0
+    prefetch: int = 0
 
 
 @dataclass(frozen=True)
@@ -264,6 +270,34 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool 
     return ExpertBlocks(sorted_pairs, expert_ids, num_padded, block_m)
 
 
+# Bulk L2 prefetches (sm_90) go in pieces of about this many bytes of a weight row.
+_PREFETCH_PIECE_BYTES = 512
+
+
+def prefetch_pieces(weight: torch.Tensor, enabled: bool) -> int:
+    """Pieces per weight row of `_prefetch_l2` (a power of two whose byte size is a multiple
+    of 16 at 16-byte-aligned addresses), or 0: no prefetch (not asked for, not on a CUDA
+    device, e.g. under the interpreter, or rows the bulk copy engine cannot address)."""
+    row_bytes = weight.shape[-1] * weight.element_size()
+    if not (enabled and weight.is_cuda) or row_bytes % 16 or (weight.stride(1) * weight.element_size()) % 16 or weight.data_ptr() % 16:
+        return 0
+    pieces = 1
+    while pieces * 2 <= row_bytes // _PREFETCH_PIECE_BYTES and (row_bytes // 16) % (pieces * 2) == 0:
+        pieces *= 2
+    return pieces
+
+
+@triton.jit
+def _prefetch_l2(row_ptrs, row_elems, element_bytes: tl.constexpr, PIECES: tl.constexpr):
+    """Ask L2 for the rows at `row_ptrs` ([R, C]) of `row_elems` elements, PIECES bulk
+    prefetches a row (`cp.async.bulk.prefetch.L2`: no registers, nothing to wait for)."""
+    piece = row_elems // PIECES
+    piece_ptrs = row_ptrs[:, :, None] + (tl.arange(0, PIECES) * piece)[None, None, :]
+    nbytes = tl.zeros(piece_ptrs.shape, dtype=tl.int32) + piece * element_bytes
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [piece_ptrs, nbytes],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _expert_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, routing_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
@@ -272,7 +306,7 @@ def _expert_gemm_kernel(
     PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """out[pair, n] = A[pair // PAIRS_PER_A_ROW] . W[expert(pair), n] over one BLOCK_M block of
     one expert. GATED: W holds [gate; up] (N rows each) and out = SiLU(gate) * up, rounded
@@ -291,6 +325,10 @@ def _expert_gemm_kernel(
         if (expert < 0) | (expert >= num_experts):
             return
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+        if PREFETCH:  # this program's gate and up rows, whole (rows past N: the last row again)
+            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+            halves = tl.arange(0, 2).to(tl.int64)[:, None] * N
+            _prefetch_l2(w_ptr + expert * stride_we + (halves + rows[None, :]) * stride_wn, K, w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH)
     else:
         # GROUP_M blocks in a row share each weight strip while it is in L2 (prefill: many
         # blocks per expert); with GROUP_M 1 a block's strips follow each other (decode).
@@ -377,9 +415,11 @@ def _launch_expert_gemm(
     _check_row_major(a, weight)
     k = weight.shape[-1]
     pair_blocks = isinstance(blocks, torch.Tensor)
+    prefetch = 0
     if pair_blocks:
         ids = blocks
         num_blocks, block_m, sorted_pairs, expert_ids, num_padded = ids.numel(), tile.mma_rows, ids, ids, ids
+        prefetch = prefetch_pieces(weight, bool(tile.prefetch))
     else:
         num_blocks, block_m = blocks.expert_ids.numel(), blocks.block_m
         sorted_pairs, expert_ids, num_padded = blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded
@@ -393,7 +433,7 @@ def _launch_expert_gemm(
         EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        FP8_W=scales is not None, SCALE_ROWS=scale_rows, PAIR_BLOCKS=pair_blocks,
+        FP8_W=scales is not None, SCALE_ROWS=scale_rows, PAIR_BLOCKS=pair_blocks, PREFETCH=prefetch,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )  # fmt: skip
 
@@ -540,7 +580,7 @@ def _token_down_mma_kernel(
     act_ptr, w_ptr, ws_ptr, ids_ptr, routing_ptr, out_ptr, N, K, num_experts,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """`_token_down_kernel` on tensor cores: one loop over the token's k slots x the K steps,
     so that the weight tiles of all k experts stream through one software pipeline
@@ -557,6 +597,9 @@ def _token_down_mma_kernel(
     experts = tl.where(taken, experts, 0).to(tl.int64)
     weights = tl.load(routing_ptr + token * TOP_K + slots, mask=taken, other=0.0).to(tl.float32)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH:  # the k experts' rows of this program, whole (no expert: expert 0's, unread)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_l2(w_ptr + experts[:, None] * stride_we + rows[None, :] * stride_wn, K, w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH)
     n_mask = offs_n[None, :] < N
     offs_k = tl.arange(0, BLOCK_K)
     first_row = (tl.arange(0, BLOCK_M) == 0)[:, None]
@@ -626,7 +669,7 @@ def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tens
             act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
             TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             DOT_PRECISION="ieee" if act.dtype == torch.float32 else "tf32", FP8_W=scales is not None, SCALE_ROWS=scale_rows,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
+            PREFETCH=prefetch_pieces(w_down, bool(tile.prefetch)), num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
         )  # fmt: skip
     elif num_tokens:
         _token_down_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -269,13 +270,14 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
                           "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
                          "num_pairs num_blocks N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
         for gated, block_m, tile, pair_blocks in [(True, 16, GemmTile(64, 128, 1, 4, 4), False), (False, 64, GemmTile(128, 64, 8, 4, 3), False),
-                                                  (True, 16, GemmTile(16, 256, 1, 4, 4, 16), True)]:  # fmt: skip
+                                                  (True, 16, GemmTile(16, 256, 1, 4, 4, 16), True), (True, 16, GemmTile(64, 128, 1, 4, 4, 16, 8), True)]:  # fmt: skip
             constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True, DOT_PRECISION="tf32",
                              PDL=pair_blocks, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                             PAIR_BLOCKS=pair_blocks, **fp8)  # fmt: skip
+                             PAIR_BLOCKS=pair_blocks, PREFETCH=tile.prefetch, **fp8)  # fmt: skip
             ptx = build(_expert_gemm_kernel, gemm | ({"expert_ids_ptr": "*i64"} if pair_blocks else {}), constants,
                         num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
-            assert "cp.async" in ptx and "mma" in ptx, f"gated={gated} pairs={pair_blocks} {weights}: tiles not pipelined into tensor-core MMAs"
+            assert re.search(r"cp\.async\.c[ag]\.shared", ptx) and "mma" in ptx, f"gated={gated} pairs={pair_blocks} {weights}: tiles not pipelined into tensor-core MMAs"
+            assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(tile.prefetch)
         gate_up = signature({"x_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "ids_ptr": "*i64", "act_ptr": "*bf16"},
                             "N K num_experts stride_xm stride_we stride_wn stride_wse stride_wsn stride_am")  # fmt: skip
         ptx = build(_pair_gate_up_kernel, gate_up, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True, **fp8), num_warps=2)
@@ -284,10 +286,12 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
                          "N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
         ptx = build(_token_down_kernel, down, dict(TOP_K=8, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=False, **fp8), num_warps=4)
         assert "ld.global.v4" in ptx or "ld.global.v2" in ptx
-        for tile, pdl in ((GemmTile(16, 256, 1, 4, 6, 16), True), (GemmTile(32, 128, 1, 4, 4, 16), False)):
-            constants = dict(TOP_K=8, SLOTS=8, BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION="tf32", PDL=pdl, **fp8)
+        for tile, pdl in ((GemmTile(16, 256, 1, 4, 6, 16), True), (GemmTile(32, 128, 1, 4, 4, 16), False), (GemmTile(16, 128, 1, 4, 4, 16, 2), True)):
+            constants = dict(TOP_K=8, SLOTS=8, BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION="tf32", PDL=pdl,
+                             PREFETCH=tile.prefetch, **fp8)  # fmt: skip
             ptx = build(_token_down_mma_kernel, down, constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
-            assert "cp.async" in ptx and "mma" in ptx, f"token down MMA {tile} {weights}: tiles not pipelined into tensor-core MMAs"
+            assert re.search(r"cp\.async\.c[ag]\.shared", ptx) and "mma" in ptx, f"token down MMA {tile} {weights}: tiles not pipelined into tensor-core MMAs"
+            assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(tile.prefetch)
     place = signature({"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
                       "num_pairs chunk num_chunks num_blocks num_experts")  # fmt: skip
     build(_place_pairs_kernel, place, dict(BLOCK_M=16, E_PAD=128, ROWS=64, COUNT_HERE=False, PDL=True), num_warps=4)

@@ -94,6 +94,11 @@ PAIR_GATE_UP_MMA_TILES = (
 TOKEN_DOWN_MMA_TILES = (
     GemmTile(16, 128, 1, 4, 4, 16), GemmTile(16, 128, 1, 4, 8, 16), GemmTile(16, 256, 1, 4, 4, 16), GemmTile(16, 256, 1, 4, 6, 16), GemmTile(32, 128, 1, 4, 4, 16),
 )  # fmt: skip
+# ... and with each program's whole weight slice asked of L2 up front (bulk prefetches: all
+# of a program's bytes in flight at once, not only num_stages tiles; 1 = on, the kernel
+# picks the pieces per row).
+PAIR_GATE_UP_MMA_TILES += tuple(GemmTile(n, k, 1, 4, stages, 16, 1) for n, k, stages in ((16, 256, 4), (32, 256, 4), (64, 128, 4)))
+TOKEN_DOWN_MMA_TILES += tuple(GemmTile(16, k, 1, 4, stages, 16, 1) for k, stages in ((128, 4), (256, 4), (256, 6)))
 PAIR_GATE_UP_TILES = (GemmTile(8, 512, 1, 2, 1), GemmTile(8, 1024, 1, 4, 1), GemmTile(16, 256, 1, 4, 1), GemmTile(16, 512, 1, 4, 1), *PAIR_GATE_UP_MMA_TILES)
 TOKEN_DOWN_TILES = (GemmTile(4, 256, 1, 4, 1), GemmTile(8, 128, 1, 4, 1), GemmTile(8, 256, 1, 4, 1), GemmTile(16, 128, 1, 4, 1), *TOKEN_DOWN_MMA_TILES)
 
@@ -400,8 +405,9 @@ SWEEP_COLUMNS = ["tokens", "block_m", "gate_up", "down", "us", "us_pdl", "gate_u
 
 
 def _cell(value: object) -> str:
-    if isinstance(value, dict):  # a tile (with "/mma16" when it is a per-pair kernel's MMA variant)
-        return "/".join(str(value[k]) for k in ("block_n", "block_k", "group_m", "num_warps", "num_stages")) + (f"/mma{value['mma_rows']}" if value.get("mma_rows") else "")
+    if isinstance(value, dict):  # a tile (with "/mma16" for a per-pair kernel's MMA variant, "/pf" when it prefetches)
+        return ("/".join(str(value[k]) for k in ("block_n", "block_k", "group_m", "num_warps", "num_stages"))
+                + (f"/mma{value['mma_rows']}" if value.get("mma_rows") else "") + ("/pf" if value.get("prefetch") else ""))  # fmt: skip
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return "" if value is None else str(value)
