@@ -228,6 +228,23 @@ def test_kernel_sweep_picks_checked_configs_and_writes_the_table(tmp_path):
         assert table[row["tokens"]] == MoeConfig(config["block_m"], GemmTile(**config["gate_up"]), GemmTile(**config["down"]))
 
 
+def test_partial_sweep_rewrites_only_its_token_counts(tmp_path):
+    """`--tokens 1,2` re-tunes 1 and 2 tokens of the shape and keeps its other entries (and
+    the other shapes'); a tile's MMA and prefetch fields survive the round trip."""
+    from vlmbatch.bench.moe import QWEN3_VL_30B_A3B, write_tuned_table
+
+    table_path = tmp_path / "fused_moe_tuned.json"
+    table_path.write_text(TUNED_TABLE_PATH.read_text())
+    before = load_tuned_configs(table_path)[QWEN3_VL_30B_A3B.key]
+    new = MoeConfig(1, GemmTile(64, 128, 1, 4, 4, 16, 1), GemmTile(16, 256, 1, 4, 6, 16))
+    config = {"block_m": 1, "gate_up": new.gate_up.__dict__, "down": new.down.__dict__}
+    result = {"shape": QWEN3_VL_30B_A3B.__dict__, "device": "test", "dtype": "bfloat16", "rows": [{"tokens": 1, "config": config, "us": 20.0, "pct_of_copy": 88.0}]}
+    write_tuned_table(result, table_path)
+    after = load_tuned_configs(table_path)[QWEN3_VL_30B_A3B.key]
+    assert after[1] == new and sorted(after) == sorted(before)
+    assert all(after[n] == before[n] for n in before if n != 1)
+
+
 @pytest.mark.skipif(TARGET is not None, reason="this process runs the kernel tests directly")
 @pytest.mark.timeout(300)
 def test_kernels_run_under_the_triton_interpreter():
@@ -358,11 +375,12 @@ BF16_REL_L2 = REL_L2_BOUND[torch.bfloat16]  # bf16's unit roundoff; why, at REL_
 
 A3B_PER_PAIR = MoeConfig(1, GemmTile(8, 512, 1, 2, 1), GemmTile(8, 256, 1, 4, 1))
 A3B_PER_PAIR_MMA = MoeConfig(1, GemmTile(16, 256, 1, 4, 4, 16), GemmTile(16, 256, 1, 4, 6, 16))
+A3B_PER_PAIR_MMA_PREFETCH = MoeConfig(1, GemmTile(64, 128, 1, 4, 4, 16, 1), GemmTile(16, 128, 1, 4, 4, 16, 1))  # bulk L2 prefetches
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, config", [(1, None), (64, None), (256, None), (2048, None), (1, A3B_PER_PAIR), (4, A3B_PER_PAIR),
-                                                  (1, A3B_PER_PAIR_MMA), (8, A3B_PER_PAIR_MMA)])
+                                                  (1, A3B_PER_PAIR_MMA), (8, A3B_PER_PAIR_MMA), (1, A3B_PER_PAIR_MMA_PREFETCH), (4, A3B_PER_PAIR_MMA_PREFETCH)])
 def test_gpu_bf16_at_30b_a3b_shapes(num_tokens, config):
     """The tuned (or default) launch shapes at decode and prefill sizes, and the per-pair kernels."""
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 products stay exact
@@ -375,7 +393,7 @@ def test_gpu_bf16_at_30b_a3b_shapes(num_tokens, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, pdl, config", [(1, True, None), (2, True, A3B_PER_PAIR), (2, True, A3B_PER_PAIR_MMA), (64, False, None), (256, False, None)])
+@pytest.mark.parametrize("num_tokens, pdl, config", [(1, True, None), (2, True, A3B_PER_PAIR), (2, True, A3B_PER_PAIR_MMA), (1, True, A3B_PER_PAIR_MMA_PREFETCH), (64, False, None), (256, False, None)])
 def test_gpu_fused_moe_replays_in_a_cuda_graph(num_tokens, pdl, config):
     """Captured once, replayed with new routings (one with a hot expert taking a pair of
     every token): no host synchronisation, buffers big enough for any routing."""
