@@ -17,7 +17,10 @@ gives each (token, slot) pair its own programs (a GEMV, nothing to sort), and `t
 gives each token's programs its k experts' down rows, summed in the kernel. At batch 1,
 reading the 8 experts takes ~18 us at copy bandwidth, so each launch's fixed cost (a few
 us of ramp, tail and gap between kernels) counts; an expert that two pairs chose is read
-twice, which costs little while few tokens share one.
+twice, which costs little while few tokens share one. Each of the two is a GEMV or (a
+tile's `mma_rows`) a tensor-core variant whose weight tiles stream through Triton's
+cp.async pipeline, optionally with each program's whole weight slice asked of L2 up front
+(`prefetch`); the table says which, per stage and token count.
 
 A decode step is bound by reading the weights of the experts its tokens chose (9.4 MB an
 expert at the 30B-A3B shapes), so the work depends on bytes, not FLOPs: grids are sized
@@ -62,14 +65,22 @@ REL_L2_BOUND = {torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16: 2.
 
 @dataclass(frozen=True)
 class GemmTile:
-    """Launch shape of one expert GEMM (BLOCK_M is shared by both and lives in MoeConfig);
-    the per-pair kernels of BLOCK_M 1 use block_n, block_k and num_warps."""
+    """Launch shape of one expert GEMM (BLOCK_M is shared by both and lives in MoeConfig).
+    The per-pair kernels of BLOCK_M 1 use block_n, block_k and num_warps, and `mma_rows`:
+    0 for the GEMV kernels (`_pair_gate_up_kernel`, `_token_down_kernel`), else the rows of
+    the tensor-core tile of their MMA variants (one real row, the rest masked: the weight
+    tiles then stream through the software pipeline, num_stages deep, as the grouped GEMMs'
+    do, while no sort is needed). `prefetch` (MMA variants, on a CUDA device): each program
+    first asks L2 for its whole weight slice (`_prefetch_l2`), so that all of its bytes are
+    in flight at once rather than num_stages tiles of them."""
 
     block_n: int
     block_k: int
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    mma_rows: int = 0
+    prefetch: int = 0
 
 
 @dataclass(frozen=True)
@@ -259,35 +270,78 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool 
     return ExpertBlocks(sorted_pairs, expert_ids, num_padded, block_m)
 
 
+# Bulk L2 prefetches (sm_90) go in pieces of about this many bytes of a weight row.
+_PREFETCH_PIECE_BYTES = 512
+
+
+def prefetch_pieces(weight: torch.Tensor, enabled: bool) -> int:
+    """Pieces per weight row of `_prefetch_l2` (a power of two whose byte size is a multiple
+    of 16 at 16-byte-aligned addresses), or 0: no prefetch (not asked for, not on a CUDA
+    device, e.g. under the interpreter, or rows the bulk copy engine cannot address)."""
+    row_bytes = weight.shape[-1] * weight.element_size()
+    if not (enabled and weight.is_cuda) or row_bytes % 16 or (weight.stride(1) * weight.element_size()) % 16 or weight.data_ptr() % 16:
+        return 0
+    pieces = 1
+    while pieces * 2 <= row_bytes // _PREFETCH_PIECE_BYTES and (row_bytes // 16) % (pieces * 2) == 0:
+        pieces *= 2
+    return pieces
+
+
+@triton.jit
+def _prefetch_l2(row_ptrs, row_elems, element_bytes: tl.constexpr, PIECES: tl.constexpr):
+    """Ask L2 for the rows at `row_ptrs` ([R, C]) of `row_elems` elements, PIECES bulk
+    prefetches a row (`cp.async.bulk.prefetch.L2`: no registers, nothing to wait for)."""
+    piece = row_elems // PIECES
+    piece_ptrs = row_ptrs[:, :, None] + (tl.arange(0, PIECES) * piece)[None, None, :]
+    nbytes = tl.zeros(piece_ptrs.shape, dtype=tl.int32) + piece * element_bytes
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [piece_ptrs, nbytes],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _expert_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, routing_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-    num_pairs, num_blocks, N, K,
+    num_pairs, num_blocks, N, K, num_experts,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """out[pair, n] = A[pair // PAIRS_PER_A_ROW] . W[expert(pair), n] over one BLOCK_M block of
     one expert. GATED: W holds [gate; up] (N rows each) and out = SiLU(gate) * up, rounded
-    where transformers rounds; WEIGHTED: out = routing[pair] * the product, rounded once."""
+    where transformers rounds; WEIGHTED: out = routing[pair] * the product, rounded once.
+    PAIR_BLOCKS (few tokens, no sort): block b is pair b alone (row 0 of the tile, the other
+    rows masked) and `expert_ids_ptr` is the flat top-k ids; sorted_ptr and num_padded_ptr
+    are not read, and a pair whose id is outside [0, num_experts) is skipped."""
     if PDL:  # (tested here too: under the interpreter each jit call costs ~5 ms a program)
         follow_previous(PDL)
     pid = tl.program_id(0)
-    # GROUP_M blocks in a row share each weight strip while it is in L2 (prefill: many
-    # blocks per expert); with GROUP_M 1 a block's strips follow each other (decode).
     num_n = (N + BLOCK_N - 1) // BLOCK_N  # (tl.cdiv, sigmoid: jit calls, see above)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_rows
-    pid_n = (pid % group) // group_rows
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PAIR_BLOCKS:
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if (expert < 0) | (expert >= num_experts):
+            return
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+        if PREFETCH:  # this program's gate and up rows, whole (rows past N: the last row again)
+            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+            halves = tl.arange(0, 2).to(tl.int64)[:, None] * N
+            _prefetch_l2(w_ptr + expert * stride_we + (halves + rows[None, :]) * stride_wn, K, w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH)
+    else:
+        # GROUP_M blocks in a row share each weight strip while it is in L2 (prefill: many
+        # blocks per expert); with GROUP_M 1 a block's strips follow each other (decode).
+        group = GROUP_M * num_n
+        first_m = (pid // group) * GROUP_M
+        group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % group_rows
+        pid_n = (pid % group) // group_rows
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     pair_mask = pairs < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n[None, :] < N
@@ -353,23 +407,33 @@ def _scale_args(weight: torch.Tensor, scales: torch.Tensor | None) -> tuple[torc
 
 
 def _launch_expert_gemm(
-    a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks,
+    a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks | torch.Tensor,
     n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile, pdl: bool = False, scales: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
+    """`blocks`: the sorted expert blocks, or the flat top-k ids for one block a pair
+    (PAIR_BLOCKS, BLOCK_M = tile.mma_rows)."""
     _check_row_major(a, weight)
     k = weight.shape[-1]
-    num_blocks = blocks.expert_ids.numel()
+    pair_blocks = isinstance(blocks, torch.Tensor)
+    prefetch = 0
+    if pair_blocks:
+        ids = blocks
+        num_blocks, block_m, sorted_pairs, expert_ids, num_padded = ids.numel(), tile.mma_rows, ids, ids, ids
+        prefetch = prefetch_pieces(weight, bool(tile.prefetch))
+    else:
+        num_blocks, block_m = blocks.expert_ids.numel(), blocks.block_m
+        sorted_pairs, expert_ids, num_padded = blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
     ws, stride_wse, stride_wsn, scale_rows = _scale_args(weight, scales)
     _expert_gemm_kernel[grid](
-        a, weight, ws, out, routing if routing is not None else out, blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded,
-        out.shape[0], num_blocks, n, k,
+        a, weight, ws, out, routing if routing is not None else out, sorted_pairs, expert_ids, num_padded,
+        out.shape[0], num_blocks, n, k, weight.shape[0],
         a.stride(0), weight.stride(0), weight.stride(1), stride_wse, stride_wsn, out.stride(0),
         PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, WEIGHTED=routing is not None,
         EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=blocks.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        FP8_W=scales is not None, SCALE_ROWS=scale_rows,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        FP8_W=scales is not None, SCALE_ROWS=scale_rows, PAIR_BLOCKS=pair_blocks, PREFETCH=prefetch,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )  # fmt: skip
 
@@ -511,6 +575,62 @@ def _token_down_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(per_slot, axis=0).to(dtype), mask=offs_n < N)
 
 
+@triton.jit
+def _token_down_mma_kernel(
+    act_ptr, w_ptr, ws_ptr, ids_ptr, routing_ptr, out_ptr, N, K, num_experts,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr, PREFETCH: tl.constexpr = 0,
+):  # fmt: skip
+    """`_token_down_kernel` on tensor cores: one loop over the token's k slots x the K steps,
+    so that the weight tiles of all k experts stream through one software pipeline
+    (num_stages deep) instead of k short ones. Row 0 of each [BLOCK_M, BLOCK_K] A tile is the
+    pair's activations, the other rows are masked; at a slot's last K step its product is
+    weighted, rounded (as the grouped path rounds it) and added to the token's float32 sum
+    in slot order, so the result is deterministic."""
+    if PDL:
+        follow_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, SLOTS)
+    experts = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=-1)
+    taken = (experts >= 0) & (experts < num_experts)  # no expert: nothing read, nothing added
+    experts = tl.where(taken, experts, 0).to(tl.int64)
+    weights = tl.load(routing_ptr + token * TOP_K + slots, mask=taken, other=0.0).to(tl.float32)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH:  # the k experts' rows of this program, whole (no expert: expert 0's, unread)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_l2(w_ptr + experts[:, None] * stride_we + rows[None, :] * stride_wn, K, w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH)
+    n_mask = offs_n[None, :] < N
+    offs_k = tl.arange(0, BLOCK_K)
+    first_row = (tl.arange(0, BLOCK_M) == 0)[:, None]
+    num_k = (K + BLOCK_K - 1) // BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(0, TOP_K * num_k):
+        slot = step // num_k
+        k0 = (step - slot * num_k) * BLOCK_K
+        this = slots == slot
+        expert = tl.sum(tl.where(this, experts, 0), axis=0)  # registers, not a dependent load
+        used = tl.sum(tl.where(this, taken.to(tl.int32), 0), axis=0) > 0
+        k_mask = (offs_k < K - k0)[None, :]
+        a = tl.load(act_ptr + (token * TOP_K + slot) * stride_am + k0 + offs_k[None, :] + 0 * first_row,
+                    mask=first_row & k_mask & used, other=0.0)  # fmt: skip
+        w_mask = n_mask & (offs_k < K - k0)[:, None] & used
+        w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn  # [K, N] view of W rows
+        w = tl.load(w_rows + k0 + offs_k[:, None], mask=w_mask, other=0.0)
+        if FP8_W:  # as the grouped GEMM dequantizes: times the block scale, rounded to the activations' dtype
+            s_ptrs = ws_ptr + expert * stride_wse + (offs_n[None, :] // SCALE_ROWS) * stride_wsn + (k0 + offs_k[:, None]) // _FP8_BLOCK
+            w = (w.to(tl.float32) * tl.load(s_ptrs, mask=w_mask, other=0.0)).to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        last = k0 + BLOCK_K >= K
+        weight = tl.sum(tl.where(this, weights, 0.0), axis=0)
+        total += tl.where(last, (acc * weight).to(dtype).to(tl.float32), 0.0)
+        acc = tl.where(last, 0.0, acc)
+    result = tl.sum(tl.where(first_row, total, 0.0), axis=0)
+    tl.store(out_ptr + token * stride_om + offs_n, result.to(dtype), mask=offs_n < N)
+
+
 def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
                  pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
     """`expert_gate_up` without the sort: programs per (token, slot) pair and BLOCK_N columns."""
@@ -520,6 +640,10 @@ def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.
     num_experts, two_i, k = w_gate_up.shape
     ids = topk_ids.reshape(-1)
     act = torch.empty(ids.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
+    if tile.mma_rows:  # the grouped GEMM, one block a pair: nothing to sort
+        if ids.numel():
+            _launch_expert_gemm(hidden, w_gate_up, act, None, ids, two_i // 2, topk_ids.shape[1], True, tile, pdl, scales)
+        return act
     ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_gate_up, scales)
     if ids.numel():
         _pair_gate_up_kernel[(ids.numel(), triton.cdiv(two_i // 2, tile.block_n))](
@@ -539,7 +663,15 @@ def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tens
     num_experts, hidden, k = w_down.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_down, scales)
-    if num_tokens:
+    if num_tokens and tile.mma_rows:
+        _token_down_mma_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
+            act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
+            act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
+            TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            DOT_PRECISION="ieee" if act.dtype == torch.float32 else "tf32", FP8_W=scales is not None, SCALE_ROWS=scale_rows,
+            PREFETCH=prefetch_pieces(w_down, bool(tile.prefetch)), num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
+        )  # fmt: skip
+    elif num_tokens:
         _token_down_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
             act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
             act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),

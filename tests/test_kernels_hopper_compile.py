@@ -132,3 +132,38 @@ def test_fp8_decode_kernel_with_pdl_and_the_largest_benchmarked_tiles_compiles_f
         constants = decode_kernel_constants(11008, config.block_k, config, 4, per_row=True, scale_rows=1, quantize=quantize, has_bias=False)
         compiled = _compile_fp8(_fp8_decode_kernel, constants | {"PDL": False}, "*bf16" if quantize else "*fp8e4nv", True, 4, config.num_stages)
         assert compiled.metadata.shared <= H200_MAX_SHARED, (config, compiled.metadata.shared)
+
+
+# ---- the fused MoE's per-pair MMA variants (`kernels/fused_moe.py`), every swept tile ----------
+
+
+@pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
+def test_every_swept_per_pair_mma_moe_tile_compiles_for_hopper():
+    """Each MMA tile `vlmbatch bench moe` tries on the per-pair path, at the 30B-A3B shapes in
+    bf16: it builds for sm_90 within the H200's shared memory, streams its weight tiles with
+    cp.async into tensor-core MMAs, and issues bulk L2 prefetches exactly when asked to."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from vlmbatch.bench.moe import PAIR_GATE_UP_MMA_TILES, TOKEN_DOWN_MMA_TILES
+    from vlmbatch.kernels.fused_moe import _expert_gemm_kernel, _token_down_mma_kernel
+
+    def build(fn, args: dict[str, str], constants: dict, **options):
+        aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items() if kind.startswith("*") or name.startswith("stride") or name in ("N", "K")}
+        return compile(ASTSource(fn, {**args, **dict.fromkeys(constants, "constexpr")}, constants, aligned), target=GPUTarget("cuda", 90, 64), options=options)
+
+    ints = "N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om"
+    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i64",
+            "expert_ids_ptr": "*i64", "num_padded_ptr": "*i64"} | dict.fromkeys(("num_pairs num_blocks " + ints).split(), "i32")  # fmt: skip
+    down = {"act_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "ids_ptr": "*i64", "routing_ptr": "*bf16", "out_ptr": "*bf16"} | dict.fromkeys(ints.split(), "i32")
+    # 2048-column rows of 4 KiB in 8 prefetch pieces; 768-column rows of 1.5 KiB in 2 (`prefetch_pieces`)
+    launches = [(_expert_gemm_kernel, gemm, tile, dict(PAIRS_PER_A_ROW=8, GATED=True, WEIGHTED=False, EVEN_K=True, EVEN_N=True, GROUP_M=1,
+                                                       PAIR_BLOCKS=True, PREFETCH=8 if tile.prefetch else 0)) for tile in PAIR_GATE_UP_MMA_TILES]  # fmt: skip
+    launches += [(_token_down_mma_kernel, down, tile, dict(TOP_K=8, SLOTS=8, PREFETCH=2 if tile.prefetch else 0)) for tile in TOKEN_DOWN_MMA_TILES]
+    for fn, args, tile, constants in launches:
+        constants |= dict(BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION="tf32", PDL=True, FP8_W=False, SCALE_ROWS=1)
+        kernel = build(fn, args, constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.shared <= H200_MAX_SHARED, (fn.__name__, tile, kernel.metadata.shared)
+        assert re.search(r"cp\.async\.c[ag]\.shared", ptx) and "mma" in ptx, (fn.__name__, tile)  # (not the bulk prefetch's cp.async)
+        assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(tile.prefetch), (fn.__name__, tile)

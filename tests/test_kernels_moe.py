@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ needs_kernels = pytest.mark.skipif(TARGET is None, reason="needs a GPU or TRITON
 DTYPES = TARGET.dtypes if TARGET else ()
 SMALL_TILES = MoeConfig(16, GemmTile(32, 32), GemmTile(32, 32))
 PER_PAIR = MoeConfig(1, GemmTile(16, 32), GemmTile(8, 16))  # the GEMV kernels of a handful of tokens
+PER_PAIR_MMA = MoeConfig(1, GemmTile(16, 32, 1, 4, 3, mma_rows=16), GemmTile(16, 16, 1, 4, 3, mma_rows=16))  # their tensor-core variants
 
 
 def routing(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int, hot: int | None = None, idle: tuple[int, ...] = ()):
@@ -91,6 +93,21 @@ def test_kernel_top_k(top_k, num_tokens, block_m):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (2, 12, 8), (3, 6, 4), (8, 8, 2), (16, 12, 4)])
+def test_kernel_per_pair_mma_matches_the_reference_and_the_other_paths(dtype, num_tokens, num_experts, top_k):
+    """The per-pair kernels' MMA variants (one pair a tensor-core tile, no sort) give the
+    function of the GEMVs and of the grouped GEMMs: experts repeat across tokens (one is in
+    every token's top-k) and the sizes are not multiples of the tiles (masked K and N)."""
+    inputs = moe_inputs(num_tokens, num_experts, top_k, 48, 40, dtype, seed=10 + num_tokens, hot=num_experts - 1)
+    out = assert_matches_reference(inputs, PER_PAIR_MMA)
+    for other in (PER_PAIR, SMALL_TILES):
+        assert relative_l2(out, fused_moe(*inputs, config=other)) < REL_L2_BOUND[dtype]
+    if dtype == torch.float16:  # the same rounding points: equal up to an ulp where a float32 sum lies on a boundary
+        torch.testing.assert_close(out, fused_moe(*inputs, config=PER_PAIR), atol=2e-3, rtol=2e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_uneven_loads(dtype):
     """One expert in every token's top-2 (it takes half of all pairs, over many blocks),
     three experts taking none."""
@@ -101,7 +118,7 @@ def test_kernel_uneven_loads(dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("config", [SMALL_TILES, PER_PAIR], ids=["grouped", "per pair"])
+@pytest.mark.parametrize("config", [SMALL_TILES, PER_PAIR, PER_PAIR_MMA], ids=["grouped", "per pair", "per pair mma"])
 def test_kernel_pairs_on_no_expert_add_nothing(config):
     """Ids outside [0, experts) (a captured batch's padding rows) take no expert."""
     x, w_gate_up, w_down, weights, ids = moe_inputs(6, 8, 2, 32, 32, DTYPES[0], seed=6)
@@ -121,6 +138,7 @@ def test_kernel_ragged_tiles_and_grouping():
     assert_matches_reference(inputs, None)
     x, w_gate_up, w_down, weights, ids = inputs
     assert_matches_reference([x[:3], w_gate_up, w_down, weights[:3], ids[:3]], PER_PAIR)
+    assert_matches_reference([x[:3], w_gate_up, w_down, weights[:3], ids[:3]], PER_PAIR_MMA)
 
 
 @needs_kernels
@@ -210,6 +228,23 @@ def test_kernel_sweep_picks_checked_configs_and_writes_the_table(tmp_path):
         assert table[row["tokens"]] == MoeConfig(config["block_m"], GemmTile(**config["gate_up"]), GemmTile(**config["down"]))
 
 
+def test_partial_sweep_rewrites_only_its_token_counts(tmp_path):
+    """`--tokens 1,2` re-tunes 1 and 2 tokens of the shape and keeps its other entries (and
+    the other shapes'); a tile's MMA and prefetch fields survive the round trip."""
+    from vlmbatch.bench.moe import QWEN3_VL_30B_A3B, write_tuned_table
+
+    table_path = tmp_path / "fused_moe_tuned.json"
+    table_path.write_text(TUNED_TABLE_PATH.read_text())
+    before = load_tuned_configs(table_path)[QWEN3_VL_30B_A3B.key]
+    new = MoeConfig(1, GemmTile(64, 128, 1, 4, 4, 16, 1), GemmTile(16, 256, 1, 4, 6, 16))
+    config = {"block_m": 1, "gate_up": new.gate_up.__dict__, "down": new.down.__dict__}
+    result = {"shape": QWEN3_VL_30B_A3B.__dict__, "device": "test", "dtype": "bfloat16", "rows": [{"tokens": 1, "config": config, "us": 20.0, "pct_of_copy": 88.0}]}
+    write_tuned_table(result, table_path)
+    after = load_tuned_configs(table_path)[QWEN3_VL_30B_A3B.key]
+    assert after[1] == new and sorted(after) == sorted(before)
+    assert all(after[n] == before[n] for n in before if n != 1)
+
+
 @pytest.mark.skipif(TARGET is not None, reason="this process runs the kernel tests directly")
 @pytest.mark.timeout(300)
 def test_kernels_run_under_the_triton_interpreter():
@@ -234,7 +269,9 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from vlmbatch.kernels.fused_moe import _expert_gemm_kernel, _pair_gate_up_kernel, _place_pairs_kernel, _sum_slots_kernel, _token_down_kernel
+    from vlmbatch.kernels.fused_moe import (
+        _expert_gemm_kernel, _pair_gate_up_kernel, _place_pairs_kernel, _sum_slots_kernel, _token_down_kernel, _token_down_mma_kernel,
+    )  # fmt: skip
 
     def build(fn, args: dict[str, str], constants: dict, **options) -> str:
         # Pointers, strides and sizes 16-aligned, as the JIT specialises them for these shapes.
@@ -248,12 +285,16 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
     for weights, fp8 in (("*bf16", {"FP8_W": False, "SCALE_ROWS": 1}), ("*fp8e4nv", {"FP8_W": True, "SCALE_ROWS": 128})):
         gemm = signature({"a_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i32",
                           "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
-                         "num_pairs num_blocks N K stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
-        for gated, block_m, tile in [(True, 16, GemmTile(64, 128, 1, 4, 4)), (False, 64, GemmTile(128, 64, 8, 4, 3))]:
+                         "num_pairs num_blocks N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
+        for gated, block_m, tile, pair_blocks in [(True, 16, GemmTile(64, 128, 1, 4, 4), False), (False, 64, GemmTile(128, 64, 8, 4, 3), False),
+                                                  (True, 16, GemmTile(16, 256, 1, 4, 4, 16), True), (True, 16, GemmTile(64, 128, 1, 4, 4, 16, 8), True)]:  # fmt: skip
             constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True, DOT_PRECISION="tf32",
-                             PDL=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, **fp8)  # fmt: skip
-            ptx = build(_expert_gemm_kernel, gemm, constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
-            assert "cp.async" in ptx and "mma" in ptx, f"gated={gated} {weights}: tiles not pipelined into tensor-core MMAs"
+                             PDL=pair_blocks, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                             PAIR_BLOCKS=pair_blocks, PREFETCH=tile.prefetch, **fp8)  # fmt: skip
+            ptx = build(_expert_gemm_kernel, gemm | ({"expert_ids_ptr": "*i64"} if pair_blocks else {}), constants,
+                        num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
+            assert re.search(r"cp\.async\.c[ag]\.shared", ptx) and "mma" in ptx, f"gated={gated} pairs={pair_blocks} {weights}: tiles not pipelined into tensor-core MMAs"
+            assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(tile.prefetch)
         gate_up = signature({"x_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "ids_ptr": "*i64", "act_ptr": "*bf16"},
                             "N K num_experts stride_xm stride_we stride_wn stride_wse stride_wsn stride_am")  # fmt: skip
         ptx = build(_pair_gate_up_kernel, gate_up, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True, **fp8), num_warps=2)
@@ -262,6 +303,12 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
                          "N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
         ptx = build(_token_down_kernel, down, dict(TOP_K=8, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=False, **fp8), num_warps=4)
         assert "ld.global.v4" in ptx or "ld.global.v2" in ptx
+        for tile, pdl in ((GemmTile(16, 256, 1, 4, 6, 16), True), (GemmTile(32, 128, 1, 4, 4, 16), False), (GemmTile(16, 128, 1, 4, 4, 16, 2), True)):
+            constants = dict(TOP_K=8, SLOTS=8, BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION="tf32", PDL=pdl,
+                             PREFETCH=tile.prefetch, **fp8)  # fmt: skip
+            ptx = build(_token_down_mma_kernel, down, constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            assert re.search(r"cp\.async\.c[ag]\.shared", ptx) and "mma" in ptx, f"token down MMA {tile} {weights}: tiles not pipelined into tensor-core MMAs"
+            assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(tile.prefetch)
     place = signature({"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
                       "num_pairs chunk num_chunks num_blocks num_experts")  # fmt: skip
     build(_place_pairs_kernel, place, dict(BLOCK_M=16, E_PAD=128, ROWS=64, COUNT_HERE=False, PDL=True), num_warps=4)
@@ -327,10 +374,13 @@ BF16_REL_L2 = REL_L2_BOUND[torch.bfloat16]  # bf16's unit roundoff; why, at REL_
 
 
 A3B_PER_PAIR = MoeConfig(1, GemmTile(8, 512, 1, 2, 1), GemmTile(8, 256, 1, 4, 1))
+A3B_PER_PAIR_MMA = MoeConfig(1, GemmTile(16, 256, 1, 4, 4, 16), GemmTile(16, 256, 1, 4, 6, 16))
+A3B_PER_PAIR_MMA_PREFETCH = MoeConfig(1, GemmTile(64, 128, 1, 4, 4, 16, 1), GemmTile(16, 128, 1, 4, 4, 16, 1))  # bulk L2 prefetches
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, config", [(1, None), (64, None), (256, None), (2048, None), (1, A3B_PER_PAIR), (4, A3B_PER_PAIR)])
+@pytest.mark.parametrize("num_tokens, config", [(1, None), (64, None), (256, None), (2048, None), (1, A3B_PER_PAIR), (4, A3B_PER_PAIR),
+                                                  (1, A3B_PER_PAIR_MMA), (8, A3B_PER_PAIR_MMA), (1, A3B_PER_PAIR_MMA_PREFETCH), (4, A3B_PER_PAIR_MMA_PREFETCH)])
 def test_gpu_bf16_at_30b_a3b_shapes(num_tokens, config):
     """The tuned (or default) launch shapes at decode and prefill sizes, and the per-pair kernels."""
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 products stay exact
@@ -343,7 +393,7 @@ def test_gpu_bf16_at_30b_a3b_shapes(num_tokens, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, pdl, config", [(1, True, None), (2, True, A3B_PER_PAIR), (64, False, None), (256, False, None)])
+@pytest.mark.parametrize("num_tokens, pdl, config", [(1, True, None), (2, True, A3B_PER_PAIR), (2, True, A3B_PER_PAIR_MMA), (1, True, A3B_PER_PAIR_MMA_PREFETCH), (64, False, None), (256, False, None)])
 def test_gpu_fused_moe_replays_in_a_cuda_graph(num_tokens, pdl, config):
     """Captured once, replayed with new routings (one with a hot expert taking a pair of
     every token): no host synchronisation, buffers big enough for any routing."""

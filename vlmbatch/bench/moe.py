@@ -82,8 +82,25 @@ DECODE_TILES = (
     GemmTile(16, 256, 1, 4, 4), GemmTile(32, 256, 1, 4, 4), GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3), GemmTile(128, 128, 1, 4, 3),
 )  # fmt: skip
 PREFILL_TILES = (GemmTile(128, 64, 8, 4, 3), GemmTile(128, 64, 8, 8, 4), GemmTile(128, 128, 8, 8, 3), GemmTile(256, 64, 8, 8, 3))
-PAIR_GATE_UP_TILES = (GemmTile(8, 512, 1, 2, 1), GemmTile(8, 1024, 1, 4, 1), GemmTile(16, 256, 1, 4, 1), GemmTile(16, 512, 1, 4, 1))
-TOKEN_DOWN_TILES = (GemmTile(4, 256, 1, 4, 1), GemmTile(8, 128, 1, 4, 1), GemmTile(8, 256, 1, 4, 1), GemmTile(16, 128, 1, 4, 1))
+# The per-pair kernels' MMA variants (mma_rows 16: one real row of a tensor-core tile, the
+# weight tiles pipelined num_stages deep; tl.dot needs 16 columns at least). The gate/up
+# one is the grouped GEMM with one block a pair, so it tries the grouped decode tiles (at
+# 1 token the 64-column ones won there, 16.6 us) without the sort's launch, and narrower
+# ones for more programs. At 1 token the down's programs are (tokens x hidden / block_n):
+# 128 of block_n 16, so deeper pipelines keep more bytes in flight per SM.
+PAIR_GATE_UP_MMA_TILES = (
+    GemmTile(16, 128, 1, 4, 4, 16), GemmTile(16, 256, 1, 4, 4, 16), GemmTile(32, 256, 1, 4, 4, 16), GemmTile(64, 128, 1, 4, 4, 16), GemmTile(64, 256, 1, 4, 3, 16),
+)  # fmt: skip
+TOKEN_DOWN_MMA_TILES = (
+    GemmTile(16, 128, 1, 4, 4, 16), GemmTile(16, 128, 1, 4, 8, 16), GemmTile(16, 256, 1, 4, 4, 16), GemmTile(16, 256, 1, 4, 6, 16), GemmTile(32, 128, 1, 4, 4, 16),
+)  # fmt: skip
+# ... and with each program's whole weight slice asked of L2 up front (bulk prefetches: all
+# of a program's bytes in flight at once, not only num_stages tiles; 1 = on, the kernel
+# picks the pieces per row).
+PAIR_GATE_UP_MMA_TILES += tuple(GemmTile(n, k, 1, 4, stages, 16, 1) for n, k, stages in ((16, 256, 4), (32, 256, 4), (64, 128, 4)))
+TOKEN_DOWN_MMA_TILES += tuple(GemmTile(16, k, 1, 4, stages, 16, 1) for k, stages in ((128, 4), (256, 4), (256, 6)))
+PAIR_GATE_UP_TILES = (GemmTile(8, 512, 1, 2, 1), GemmTile(8, 1024, 1, 4, 1), GemmTile(16, 256, 1, 4, 1), GemmTile(16, 512, 1, 4, 1), *PAIR_GATE_UP_MMA_TILES)
+TOKEN_DOWN_TILES = (GemmTile(4, 256, 1, 4, 1), GemmTile(8, 128, 1, 4, 1), GemmTile(8, 256, 1, 4, 1), GemmTile(16, 128, 1, 4, 1), *TOKEN_DOWN_MMA_TILES)
 
 Candidate = tuple[int, tuple[GemmTile, ...], tuple[GemmTile, ...]]  # BLOCK_M, gate/up tiles, down tiles
 Choices = Callable[[int], list[Candidate]]
@@ -92,12 +109,14 @@ Choices = Callable[[int], list[Candidate]]
 def candidates(num_tokens: int) -> list[Candidate]:
     """What to try at `num_tokens` (top-8 of 128 experts: 1/16 of the token count lands on
     an average expert). The per-pair kernels read an expert once per pair that chose it,
-    which costs little while few tokens share an expert (8 tokens: 64 pairs on ~50 experts)."""
+    which costs little while few tokens share an expert (8 tokens: 64 pairs on ~50 experts;
+    16 tokens: 128 pairs on ~80, where the grouped GEMMs should win, which the sweep checks).
+    Their GEMV and MMA tiles are one list per stage, so either stage may pick either."""
     wide = DECODE_TILES[1:]
     # Where an expert often gets two blocks of 16, GROUP_M 2 runs them side by side, so the
     # second reads each weight strip from L2.
     paired = (*DECODE_TILES, GemmTile(64, 128, 2, 4, 4))
-    if num_tokens <= 8:
+    if num_tokens <= 16:
         return [(1, PAIR_GATE_UP_TILES, TOKEN_DOWN_TILES), (16, DECODE_TILES, DECODE_TILES)]
     if num_tokens <= 64:
         return [(16, DECODE_TILES, DECODE_TILES)]
@@ -386,8 +405,9 @@ SWEEP_COLUMNS = ["tokens", "block_m", "gate_up", "down", "us", "us_pdl", "gate_u
 
 
 def _cell(value: object) -> str:
-    if isinstance(value, dict):  # a tile
-        return "/".join(str(value[k]) for k in ("block_n", "block_k", "group_m", "num_warps", "num_stages"))
+    if isinstance(value, dict):  # a tile (with "/mma16" for a per-pair kernel's MMA variant, "/pf" when it prefetches)
+        return ("/".join(str(value[k]) for k in ("block_n", "block_k", "group_m", "num_warps", "num_stages"))
+                + (f"/mma{value['mma_rows']}" if value.get("mma_rows") else "") + ("/pf" if value.get("prefetch") else ""))  # fmt: skip
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return "" if value is None else str(value)
@@ -406,15 +426,19 @@ def format_sweep(result: dict[str, Any]) -> str:
 
 def write_tuned_table(result: dict[str, Any], path: Path | str = TUNED_TABLE_PATH) -> Path:
     """Put the sweep's configs, with their measured time and share of copy bandwidth, into
-    the tuned table (kernels/fused_moe_tuned.json or `path`), keeping the other shapes'."""
+    the tuned table (kernels/fused_moe_tuned.json or `path`), keeping the other shapes' and,
+    of this shape, the token counts the sweep did not run (`--tokens 1,2,4,8` re-tunes those)."""
     path = Path(path)
     tables = json.loads(path.read_text()) if path.exists() else {}
     shape = MoeShape(**result["shape"])
-    tables[",".join(str(part) for part in shape.key)] = {
+    key = ",".join(str(part) for part in shape.key)
+    configs = dict(tables.get(key, {}).get("configs", {}))
+    configs.update({str(row["tokens"]): {**row["config"], "us": round(row["us"], 1), "pct_of_copy": round(row.get("pct_of_copy") or 0, 1)}
+                    for row in result["rows"] if "config" in row})  # fmt: skip
+    tables[key] = {
         "measured": f"{result['device']}, {result['dtype']}, {result.get('date', '')}: the whole layer's time; "
                     "pct_of_copy = expert bytes / time against a device copy",
-        "configs": {str(row["tokens"]): {**row["config"], "us": round(row["us"], 1), "pct_of_copy": round(row.get("pct_of_copy") or 0, 1)}
-                    for row in result["rows"] if "config" in row},
+        "configs": dict(sorted(configs.items(), key=lambda item: int(item[0]))),
     }  # fmt: skip
     path.write_text(json.dumps(tables, indent=1) + "\n")
     return path
