@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import nn
 
+from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.segment_attention import attend_segments
 
 Grids = tuple[tuple[int, int, int], ...]  # (t, h, w) in patches, per item
@@ -59,6 +60,18 @@ class VisionAttention(nn.Module):
         q, k = self.rotary(q, k, cos, sin)
         q, k = q.to(v.dtype), k.to(v.dtype)  # the torch path computes in float32 (cos is float32)
         return self.proj(attend_segments(q, k, v, lengths, self.scale).reshape(x.shape))
+
+
+class QwenTower(nn.Module):
+    """What the Qwen-VL towers share beyond their layers: built from `transformers`' visual
+    module (`cls(config, kernels)` on the device, then the subclass's `load_from_hf`)."""
+
+    @classmethod
+    def from_hf(cls, visual: nn.Module, device: torch.device, dtype: torch.dtype, kernels: KernelSet) -> "QwenTower":
+        with torch.device(device):
+            tower = cls(visual.config, kernels).to(dtype)
+        tower.load_from_hf(visual)
+        return tower.eval().requires_grad_(False)
 
 
 class LayoutCache(Generic[Layout]):

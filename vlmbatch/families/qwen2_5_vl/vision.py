@@ -28,7 +28,7 @@ from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.norm import RMSNorm
-from vlmbatch.engine.layers.vision import Grids, LayoutCache, VisionAttention, merge_block_positions, rotary_tables
+from vlmbatch.engine.layers.vision import Grids, LayoutCache, QwenTower, VisionAttention, merge_block_positions, rotary_tables
 
 # Gated-MLP widths are padded to a multiple of this many elements (Qwen2.5-VL's 3420 rows
 # are not 16-byte aligned; 64 is also a multiple of cuBLAS's tile sizes).
@@ -90,7 +90,7 @@ class VisionBlock(nn.Module):
         return self.mlp(h), residual
 
 
-class QwenVisionTower(nn.Module):
+class QwenVisionTower(QwenTower):
     """Patch embedding, windowed/full-attention blocks and the 2x2 patch merger."""
 
     def __init__(self, config: Any, kernels: KernelSet):
@@ -108,13 +108,6 @@ class QwenVisionTower(nn.Module):
         self.merger_fc2 = nn.Linear(dim * self.merge**2, config.out_hidden_size)
         self.inv_freq = torch.empty(0)  # a plain attribute: `.to(bfloat16)` must not round it
         self.layout = LayoutCache(self._layout)
-
-    @classmethod
-    def from_hf(cls, visual: nn.Module, device: torch.device, dtype: torch.dtype, kernels: KernelSet) -> "QwenVisionTower":
-        with torch.device(device):
-            tower = cls(visual.config, kernels).to(dtype)
-        tower.load_from_hf(visual)
-        return tower.eval().requires_grad_(False)
 
     @torch.no_grad()
     def load_from_hf(self, visual: nn.Module) -> None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
-from vlmbatch.engine.layers.vision import Grids, LayoutCache, VisionAttention, merge_block_positions, rotary_tables
+from vlmbatch.engine.layers.vision import Grids, LayoutCache, QwenTower, VisionAttention, merge_block_positions, rotary_tables
 
 
 @functools.lru_cache(maxsize=256)
@@ -104,7 +104,7 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(QwenTower):
     """Patch embedding plus the interpolated learned positions, full-attention blocks, the
     2x2 merger and one DeepStack merger per `deepstack_visual_indexes` block."""
 
@@ -124,13 +124,6 @@ class Qwen3VisionTower(nn.Module):
         self.deepstack = {block: level for level, block in enumerate(config.deepstack_visual_indexes)}
         self.inv_freq = torch.empty(0)  # a plain attribute: `.to(bfloat16)` must not round it
         self.layout = LayoutCache(self._layout)
-
-    @classmethod
-    def from_hf(cls, visual: nn.Module, device: torch.device, dtype: torch.dtype, kernels: KernelSet) -> "Qwen3VisionTower":
-        with torch.device(device):
-            tower = cls(visual.config, kernels).to(dtype)
-        tower.load_from_hf(visual)
-        return tower.eval().requires_grad_(False)
 
     @torch.no_grad()
     def load_from_hf(self, visual: nn.Module) -> None:
