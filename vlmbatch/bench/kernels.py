@@ -356,7 +356,6 @@ def run_kernel_bench(
         echo(f"\n== {title} ({time.perf_counter() - started:.0f} s into the run)\n" + format_table(rows, columns))
         if json_path is not None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps({**report.__dict__, "ok": report.ok}, indent=1, default=str))
 
     for dtype in (torch.bfloat16, torch.float16):
