@@ -155,3 +155,16 @@ def test_bench_engine_dummy_load_reports_the_kv_cache_left_and_checks_a_cut_mode
     assert report["peers"]["hf"]["status"] == "skipped" and report["correctness"]["reference_layers"] == 1
     assert report["memory"]["kv_blocks"] > 0 and report["memory"]["decoder_weights_gib"] > 0
     assert "KV cache" in result.output and {r["engine"] for r in report["runs"]} == {"paged"}
+
+
+def test_bench_engine_profiles_a_full_prefill_step_and_decode_steps(tmp_path):
+    """`--profile-prefill` fills one step's token budget (600 // 288 = 2 prompts) with images
+    encoded beforehand and reports that step's costliest ops; `--profile-batches` the decode's."""
+    result, report = _bench_engine(tmp_path, "--peer", "", "--profile-prefill", "--profile-batches", "2", "--check-prompts", "1",
+                                   "--decode-steps", "2")
+    prefill = report["prefill_profile"]
+    assert prefill["prompts"] == 2 and prefill["tokens"] == 576 and prefill["ms"] > 0
+    assert prefill["kernels"] and all(k["ms"] > 0 and k["calls"] >= 1 for k in prefill["kernels"])
+    assert any("linear" in k["kernel"] or "mm" in k["kernel"] for k in prefill["kernels"])  # the decoder's GEMMs are in it
+    assert report["decode_kernels"]["tiny-b2"] and report["vision_profile"]["images"] > 0
+    assert "prefill tiny: one step of 2 prompts (576 tokens)" in result.output

@@ -31,7 +31,7 @@ from vlmbatch.bench import adapt
 from vlmbatch.bench.correctness import check_async_decoding, check_backends, free_memory, logit_reference
 from vlmbatch.bench.peers.hf import run_hf_peer
 from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
-from vlmbatch.bench.profiles import profile_decode, profile_vision
+from vlmbatch.bench.profiles import profile_decode, profile_prefill, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
 from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model, simulate_fp8_activations, vllm_model_folder
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
@@ -65,6 +65,7 @@ class BenchOptions:
     decode_batches: tuple[int, ...] = (1, 64)
     extra_shapes: tuple[str, ...] = ("qwen2_5_vl_7b",)  # decode roofline only
     profile_batches: tuple[int, ...] = ()  # decode batch sizes whose kernels are profiled (main shape)
+    profile_prefill: bool = False  # also one full prefill step's kernels (main shape)
     max_num_seqs: int | None = None  # None: the product's default for the device (`paged.scheduler_limits`)
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.85
@@ -370,7 +371,7 @@ def _rooflines(owned: list, shapes: list[ModelShape | None], options: BenchOptio
             if row is not None:
                 report["decode_roofline"].setdefault(label, []).append(row)
                 echo(_roofline_row(label, row))
-        if options.profile_batches and not number:
+        if (options.profile_batches or options.profile_prefill) and not number:
             _profiles(engine, options, label, report, phases, echo)
     del engine
     free_memory(device)
@@ -467,6 +468,13 @@ def _profiles(engine, options: BenchOptions, label: str, report: dict[str, Any],
         echo(f"vision tower: {vision['images']} images in {vision['ms']:.0f} ms (profiled)")
         for op in vision["ops"]:
             echo(f"  {op['ms']:9.2f} ms {op['calls']:7d} calls  {op['op']}")
+    if options.profile_prefill:
+        prefill = phases.run(f"profile-{label}-prefill", profile_prefill, engine)
+        if prefill is not None:
+            report["prefill_profile"] = prefill
+            echo(f"prefill {label}: one step of {prefill['prompts']} prompts ({prefill['tokens']} tokens) in {prefill['ms']:.1f} ms; kernels:")
+            for k in prefill["kernels"]:
+                echo(f"  {k['ms']:9.2f} ms {k['calls']:6d} calls  {k['kernel']}")
     for batch in options.profile_batches:
         kernels = phases.run(f"profile-{label}-b{batch}", profile_decode, engine, batch)
         if kernels is not None:

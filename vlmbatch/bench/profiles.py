@@ -1,4 +1,4 @@
-"""Where a step's time goes: the costliest ops of the vision tower and of decode steps."""
+"""Where a step's time goes: the costliest ops of the vision tower, of a full prefill step and of decode steps."""
 
 from __future__ import annotations
 
@@ -57,3 +57,37 @@ def profile_decode(engine, batch: int, steps: int = 8, top: int = 12) -> list[di
     while engine.has_unfinished_requests():
         engine.step()
     return [{"kernel": name, "us_per_step": us / steps, "calls_per_step": calls / steps} for name, us, calls in _costliest(prof, engine.device, top)]
+
+
+def profile_prefill(engine, top: int = 14) -> dict[str, Any]:
+    """Wall time and costliest kernels of one full prefill step: as many fresh W1 prompts as
+    fill the step's token budget, their images encoded first (untimed), so the step is the
+    language model alone. An 8B W1 spends over half its time in such steps, at ~64% of the
+    matmul peak: this says where the rest goes. Kernels launched with programmatic dependent
+    launch overlap their predecessor, so their times add up to more than the step's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt_tokens = build_workload("w1", engine.adapter, 1, seed=30_000).prompt_tokens
+    count = max(1, min(engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens // prompt_tokens))
+    prompts = adapt.engine_prompts(build_workload("w1", engine.adapter, 2 * count, seed=30_000), engine.adapter, engine.runner.dtype)
+    adapt.encode_images(engine, prompts)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def one_step(batch: list, tag: str) -> float:
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"prefill-{tag}-{i}", prompt, params)
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.step()
+        sync(engine.device)
+        seconds = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return seconds
+
+    one_step(prompts[:count], "warm")
+    on_gpu = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        seconds = one_step(prompts[count:], "timed")
+    return {"prompts": count, "tokens": count * prompt_tokens, "ms": 1000 * seconds,
+            "kernels": [{"kernel": name, "ms": us / 1000, "calls": calls} for name, us, calls in _costliest(prof, engine.device, top)]}
