@@ -107,6 +107,15 @@ def test_kernel_per_pair_mma_matches_the_reference_and_the_other_paths(dtype, nu
 
 
 @needs_kernels
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_kernel_per_token_down_in_one_k_step_wider_than_k(num_tokens):
+    """The one-token down tiles that read a pair's whole row in one K step (BLOCK_K past K,
+    the tail masked: 1024 for the 30B-A3B's 768) give the reference's function."""
+    inputs = moe_inputs(num_tokens, 8, 4, 48, 40, DTYPES[0], seed=30 + num_tokens)
+    assert_matches_reference(inputs, MoeConfig(1, GemmTile(16, 32), GemmTile(2, 64)))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_uneven_loads(dtype):
     """One expert in every token's top-2 (it takes half of all pairs, over many blocks),

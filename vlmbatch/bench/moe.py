@@ -100,7 +100,11 @@ TOKEN_DOWN_MMA_TILES = (
 PAIR_GATE_UP_MMA_TILES += tuple(GemmTile(n, k, 1, 4, stages, 16, 1) for n, k, stages in ((16, 256, 4), (32, 256, 4), (64, 128, 4)))
 TOKEN_DOWN_MMA_TILES += tuple(GemmTile(16, k, 1, 4, stages, 16, 1) for k, stages in ((128, 4), (256, 4), (256, 6)))
 PAIR_GATE_UP_TILES = (GemmTile(8, 512, 1, 2, 1), GemmTile(8, 1024, 1, 4, 1), GemmTile(16, 256, 1, 4, 1), GemmTile(16, 512, 1, 4, 1), *PAIR_GATE_UP_MMA_TILES)
-TOKEN_DOWN_TILES = (GemmTile(4, 256, 1, 4, 1), GemmTile(8, 128, 1, 4, 1), GemmTile(8, 256, 1, 4, 1), GemmTile(16, 128, 1, 4, 1), *TOKEN_DOWN_MMA_TILES)
+# At one token the down GEMV ran at 47% of copy bandwidth (benchmarks/2026-12-02/s9-moe.log:
+# 4/256, three dependent K steps of 768): the 512- and 1024-column steps put a pair's whole
+# row in flight in one or two loads.
+TOKEN_DOWN_TILES = (GemmTile(4, 256, 1, 4, 1), GemmTile(8, 128, 1, 4, 1), GemmTile(8, 256, 1, 4, 1), GemmTile(16, 128, 1, 4, 1),
+                    GemmTile(4, 512, 1, 4, 1), GemmTile(2, 1024, 1, 4, 1), GemmTile(4, 1024, 1, 8, 1), *TOKEN_DOWN_MMA_TILES)  # fmt: skip
 
 Candidate = tuple[int, tuple[GemmTile, ...], tuple[GemmTile, ...]]  # BLOCK_M, gate/up tiles, down tiles
 Choices = Callable[[int], list[Candidate]]
