@@ -10,7 +10,8 @@ Up to 64 rows it also times what `Fp8Linear` runs there (`fp8 channel plan` / `f
 plan`: `kernels.fp8.fp8_linear` with `fp8.decode_plan`'s launch, named in the variant) and,
 at 1, 16 and 64 rows, the sweep around it, each after the quantization kernel: unsplit
 tiles (`fp8 channel triton bn/bk/w`, `fp8.FP8_DECODE_TILES`; bn32/bk256/w4 was session 8's
-default) and tiles split over K (`fp8 channel split bn/bk/w/s`, `fp8.FP8_SPLIT_TILES`).
+default) and tiles split over K (`fp8 channel split bn/bk/w/s`, `fp8.FP8_SPLIT_TILES`; `fp8
+block split` for those with 128-column K steps).
 `fp8 channel triton` and `fp8 block triton` are the quantization kernel and `fp8_gemm`'s
 default launch (the plan's up to 64 rows). `error` says why a variant failed.
 """
@@ -162,8 +163,10 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
                         lambda w, config=config: fp8_gemm(*quantize_fp8(x), *w, config=config), channel, n * k)
                 for tile in FP8_SPLIT_TILES if sweep else ():
                     config = decode_config(num_rows, *tile)
-                    add(f"fp8 channel split {launch_name(config)}", lambda w, config=config: fp8_gemm(*quantize_fp8(x), *w, config=config),
-                        channel, n * k)  # fmt: skip
+                    for group, layout, weights in ((None, "channel", channel), (128, "block", block)):
+                        if group is None or tile[1] == 128:  # block weights step by their 128-column groups
+                            add(f"fp8 {layout} split {launch_name(config)}", lambda w, config=config, g=group: fp8_gemm(*quantize_fp8(x, g), *w, config=config),
+                                weights, n * k)  # fmt: skip
                 if n % 16 == 0 and k % 16 == 0 and (not decode or sweep):
                     add("fp8 channel cublas", lambda w: scaled_mm(*quantize_fp8(x), *w), channel, n * k)
             del bf16, block, channel
