@@ -20,7 +20,6 @@ the quantization kernel is exact on the GPU, approximate on the CPU (tests say w
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,20 +32,6 @@ from .pdl import follow_previous, launch_options, pdl_launch
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12  # amax floor: an all-zero group gets a tiny scale, not a division by zero
 BLOCK_GROUP = 128  # the block layouts' activation group (1x128) and weight block (128x128)
-
-
-@triton.jit
-def _scale_of(amax, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr):
-    """The scale of a group whose largest magnitude is `amax` (floored): `amax / 448`. The
-    one formula of the quantization kernel and of the GEMM that quantizes its own input."""
-    return tl.maximum(amax, MIN_SCALE_C) / FP8_MAX_C
-
-
-@triton.jit
-def _quantized(x, scale, FP8_MAX_C: tl.constexpr):
-    """`x / scale` clamped to e4m3's range, in float32: what the caller casts to e4m3
-    (round to nearest even), in both quantizing kernels alike."""
-    return tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
 
 
 @triton.jit
@@ -63,12 +48,12 @@ def _quantize_kernel(
         mask = (cols < K) & (cols < start + GROUP)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = _scale_of(tl.max(amax, axis=0), FP8_MAX_C, MIN_SCALE_C)
+    scale = tl.maximum(tl.max(amax, axis=0), MIN_SCALE_C) / FP8_MAX_C
     for offset in range(0, GROUP, BLOCK):
         cols = start + offset + tl.arange(0, BLOCK)
         mask = (cols < K) & (cols < start + GROUP)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        q = _quantized(x, scale, FP8_MAX_C)
+        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + group, scale)
 
@@ -126,29 +111,20 @@ def decode_config(rows: int, block_n: int, block_k: int, num_warps: int, split_k
     return Fp8GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=4, split_k=split_k)
 
 
-def fused_config(rows: int, block_n: int, block_k: int, num_warps: int, split_k: int = 1) -> Fp8GemmConfig:
-    """`decode_config` for `fp8_linear_fused`: its input tiles are 2 bytes an element, so as
-    many pipeline stages (2 to 4) as leave room for two programs per SM."""
-    config = decode_config(rows, block_n, block_k, num_warps, split_k)
-    stage_bytes = config.block_m * block_k * 2 + block_n * block_k
-    return dataclasses.replace(config, num_stages=max(2, min(config.num_stages, FUSED_STAGE_BYTES // stage_bytes)))
-
-
-# What `vlmbatch bench kernels --sections fp8` times beside `decode_plan`'s choice, up to 64 rows:
-# (block_n, block_k, num_warps) unsplit with a separate quantization (this morning's sweep), and
-# (block_n, block_k, num_warps, split_k) fused (every entry; block weights: those with block_k
-# 128) and with a separate quantization (those that split).
+# What `vlmbatch bench kernels --sections fp8` times beside `decode_plan`'s choice, up to 64 rows,
+# each after a separate quantization: (block_n, block_k, num_warps) unsplit, and (block_n,
+# block_k, num_warps, split_k) split over K.
 FP8_DECODE_TILES = ((32, 128, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (128, 128, 4), (64, 256, 8))
 FP8_SPLIT_TILES = (
-    (32, 128, 4, 1), (32, 128, 4, 2), (32, 128, 4, 4), (32, 256, 4, 1), (32, 256, 4, 2), (32, 256, 4, 4),
-    (32, 512, 4, 1), (32, 512, 4, 2), (32, 512, 4, 4), (64, 256, 4, 2), (128, 128, 4, 1), (128, 128, 4, 4),
+    (32, 128, 4, 2), (32, 128, 4, 4), (32, 256, 4, 2), (32, 256, 4, 4), (32, 512, 4, 2), (32, 512, 4, 4),
+    (64, 256, 4, 2), (128, 128, 4, 4),
 )  # fmt: skip
 
 # ---- The decode selection table ---------------------------------------------------------------
 #
-# What `fp8_linear` runs for at most DECODE_MAX_ROWS rows, per (rows, N, K, layout): `decode_plan`.
-# Its tiles follow `vlmbatch bench kernels --sections fp8` on the H200 (benchmarks/2026-12-02/
-# s8-fp8-kernels.log; separate quantization + GEMM, per channel, us per layer):
+# What `fp8_linear` runs for at most DECODE_MAX_ROWS rows, per (rows, N, K, layout): `decode_plan`'s
+# launch of the GEMM, after `quantize_fp8`. Its tiles follow `vlmbatch bench kernels --sections fp8`
+# on the H200 (benchmarks/2026-12-02/s8-fp8-kernels.log; unsplit, per channel, us per layer):
 # - 512-column K steps for a long K (down, K 11008 / 18944), at 1 / 16 / 64 rows: 3B 21.1 / 20.0 /
 #   18.1 against 22.7 / 21.1 / 19.4 with 256; 7B 39.6 / 38.4 / 36.5 against 43.2 / 42.1 / 40.9;
 # - 128-column K steps for gate/up at 1 / 16 rows: 3B 17.1 / 17.2 against 17.6 / 18.7; 7B 40.9 /
@@ -159,57 +135,44 @@ FP8_SPLIT_TILES = (
 # - otherwise 32-column strips with 256-column K steps: best or within 2.5% for q/k/v, o and the
 #   LM heads at 1 and 16 rows and the 3B q/k/v and o at 64 (7B q/k/v at 64: 11.3, 64-column
 #   strips 10.75).
-# Not measured yet (the next run of that section times them beside these): the split over K and
-# the fused quantization, whose rules are the arithmetic in `decode_plan`.
+# Its split over K follows the same section's run on the 3B layers (benchmarks/2026-12-02/
+# s9-fp8-3b-gemms.log; per channel, 132 SMs, us per layer; 32-column strips make 80 output tiles
+# for q/k/v, 64 for o and down, 688 and more for gate/up and the LM head):
+# - at 1 row more K ranges were faster up to 4, the most timed: q/k/v (256-column steps) 7.55
+#   unsplit, 7.43 in 2, 7.07 in 4; o 7.36, 6.96 in 3, 6.52 in 4; down (512) 20.85, 14.98 in 3,
+#   14.04 in 4 (13.33 with 256-column steps in 4). Gate/up, whose tiles fill the GPU, lost: 16.9
+#   unsplit, 19.9-21.1 in 2 or 4 (128-column steps). Hence, up to 16 rows, as many ranges as give every SM two
+#   programs, at most 4 (16 rows were not timed);
+# - at 64 rows only the long K gained, in 2 ranges: down 14.40 against 18.09 unsplit, 19.02 in 3
+#   and 19.21 in 4 (its 64x512 tile takes 192 KiB of shared memory compiled for sm_90: one program
+#   per SM, so more than 132 programs run in two waves); q/k/v 7.14 unsplit against 8.61 in 2, o
+#   6.98 against 7.21. Hence, above 16 rows, 2 ranges for K >= LONG_K only.
+# The GEMM that quantized its own input (removed) lost at the plan's tiles everywhere, 1.4-2.8x per
+# token (3B gate/up at 1 row 47.99 against 16.88 with a separate quantization, the LM head 194.4
+# against 82.8); only 4-range tiles in 1x128 groups on q/k/v and o at 1 row beat the plan's, by
+# under 1 us. Its plan made the FP8 decode step at batch 1 4.1 ms, against 2.77 before it.
 DECODE_MAX_ROWS = 64
 LARGE_N = 16384  # gate/up (22016, 37888) and LM heads: enough 32-column strips to fill the GPU
 VOCAB_N = 65536  # LM heads (151936, 152064)
 LONG_K = 8192  # down projections (11008, 18944)
-MAX_SPLIT_K = 8
-# A fused launch saves the quantization kernel's launch: 6.1-6.5 us of fixed cost per FP8 layer
-# this morning against 3.2-4.0 for cuBLAS's one kernel (the intercepts of time vs weight bytes
-# in the log), ~2.5 us, in which L2 serves some 8 MiB of extra reads (at an assumed ~4 TB/s).
-FUSED_EXTRA_BYTES = 8 << 20
-FUSED_STAGE_BYTES = 112 << 10  # shared memory for a fused program's pipelined tiles: two fit in an H200 SM's 228 KiB
+SPLIT_MAX_ROWS = 16  # up to here any layer whose tiles leave SMs idle splits; above, only a long K
+MAX_SPLIT_K = 4  # the most ranges timed (and the fastest at 1 row)
+LONG_K_MAX_SPLIT = 2  # above SPLIT_MAX_ROWS: 3 or 4 ranges lost to 2 at 64 rows
 
 
-def fused_extra_bytes(tiles: int, split: int, rows: int, k: int, per_token: bool) -> int:
-    """What a fused launch reads beyond a separately quantized one: per program 1 more byte
-    per input element of its K range and, per token, its rows whole once more (2 bytes an
-    element) for their amax."""
-    return tiles * rows * k * (2 * split + 1 if per_token else 1)
-
-
-@dataclass(frozen=True)
-class Fp8DecodePlan:
-    """How `fp8_linear` runs a decode-sized product: `fused` quantizes the input inside the
-    GEMM (`fp8_linear_fused`, one launch), else `quantize_fp8` runs first; `config` is the
-    GEMM's launch (split over K included)."""
-
-    fused: bool
-    config: Fp8GemmConfig
-
-
-def decode_plan(rows: int, n: int, k: int, per_token: bool, num_sms: int = H200_SM_COUNT) -> Fp8DecodePlan:
-    """The decode selection table (the measurements are in the comment above it).
+def decode_plan(rows: int, n: int, k: int, per_token: bool, num_sms: int = H200_SM_COUNT) -> Fp8GemmConfig:
+    """The GEMM's launch for `rows` <= DECODE_MAX_ROWS: the decode selection table (the
+    measurements are in the comment above it).
 
     Tile: 128x128 above 16 rows when N >= LARGE_N; else 32-column strips with K steps of 256
     columns per token (512 when K >= LONG_K, 128 for LARGE_N <= N < VOCAB_N), of 128 (the
     group) for block weights. The row tile follows the rows (`decode_config`).
 
-    Split over K: when the output tiles leave SMs idle (2560 / 32 = 80 programs for the 3B
-    q/k/v on 132 SMs), as many ranges as fill them once, keeping >= 2 K steps per range and
-    the partial sums (written and read once: 8 bytes per row, column and range) within half
-    the weight's bytes, i.e. at most K / (16 x rows) ranges.
-
-    Fused quantization: each program then reads the compute-dtype input of its K range (2
-    bytes per element instead of 1) and, per token, all of its rows once more for their amax,
-    whatever its range: `fused_extra_bytes` in all. Fused while that stays within the
-    weight's bytes (then it streams from L2 beside the weight's own reads) or within
-    FUSED_EXTRA_BYTES (what the launch it saves costs), the split lowered to fit. With the
-    3B/7B shapes: per token up to 8 rows (16 for the 3B q/k/v and o, unsplit; 32 for gate/up
-    and the LM heads with their 128-column tiles), in 1x128 groups up to 32 (64 for the 3B
-    o, gate/up and the LM heads)."""
+    Split over K, only when the output tiles leave SMs idle: up to SPLIT_MAX_ROWS rows, as
+    many ranges as give every SM two programs (4 for the 3B q/k/v's 80 tiles on 132 SMs),
+    at most MAX_SPLIT_K; above, LONG_K_MAX_SPLIT ranges where K >= LONG_K, none otherwise.
+    Always >= 2 K steps per range, and partial sums (written and read once: 8 bytes per
+    row, column and range) within half the weight's bytes, i.e. at most K / (16 x rows)."""
     if rows > 16 and n >= LARGE_N:
         block_n, block_k = 128, 128
     elif not per_token:
@@ -217,15 +180,11 @@ def decode_plan(rows: int, n: int, k: int, per_token: bool, num_sms: int = H200_
     else:
         block_n, block_k = 32, 512 if k >= LONG_K else 128 if LARGE_N <= n < VOCAB_N else 256
     tiles = triton.cdiv(rows, decode_config(rows, block_n, block_k, 4).block_m) * triton.cdiv(n, block_n)
+    most = MAX_SPLIT_K if rows <= SPLIT_MAX_ROWS else LONG_K_MAX_SPLIT if k >= LONG_K else 1
     split = 1
     if tiles < num_sms:
-        split = min(triton.cdiv(num_sms, tiles), MAX_SPLIT_K, max(1, triton.cdiv(k, block_k) // 2), max(1, k // (16 * rows)))
-    allowed = max(n * k, FUSED_EXTRA_BYTES)
-    fused = fused_extra_bytes(tiles, 1, rows, k, per_token) <= allowed
-    while fused and split > 1 and fused_extra_bytes(tiles, split, rows, k, per_token) > allowed:
-        split -= 1
-    make = fused_config if fused else decode_config
-    return Fp8DecodePlan(fused, make(rows, block_n, block_k, 4, split))
+        split = min(triton.cdiv(2 * num_sms, tiles), most, max(1, triton.cdiv(k, block_k) // 2), max(1, k // (16 * rows)))
+    return decode_config(rows, block_n, block_k, 4, split)
 
 
 # ---- Split-K workspace ------------------------------------------------------------------------
@@ -268,18 +227,15 @@ def _fp8_decode_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, partial_ptr, count_ptr,
     M, N, K, k_steps_per_split,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
-    SCALE_ROWS: tl.constexpr, PER_ROW_SCALES: tl.constexpr, QUANTIZE_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, PER_ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_BLOCK_K: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """`_fp8_gemm_kernel` for decode sizes, with two additions. QUANTIZE_A: `a_ptr` is the
-    compute-dtype input and each program quantizes its tiles as `_quantize_kernel` does
-    (`_scale_of`, `_quantized`, the same cast): per token it first reads its rows whole for
-    their amax; in 1x128 groups each K step is one group. SPLIT_K > 1: program `pid` computes
-    range `pid % SPLIT_K` of K's steps of tile `pid // SPLIT_K`, stores its float32 partial
-    sum, and the tile's last program to arrive (an acq_rel counter) adds all SPLIT_K partials
-    in range order, applies the scales and bias, and resets the counter for the next launch."""
+    """`_fp8_gemm_kernel` split over K, for decode sizes: program `pid` computes range
+    `pid % SPLIT_K` of K's steps of tile `pid // SPLIT_K`, stores its float32 partial sum,
+    and the tile's last program to arrive (an acq_rel counter) adds all SPLIT_K partials in
+    range order, applies the scales and bias, and resets the counter for the next launch.
+    SPLIT_K == 1 (where `_launch_decode` falls back) is the plain product."""
     follow_previous(PDL)
     pid = tl.program_id(0)
     tile, split = pid // SPLIT_K, pid % SPLIT_K
@@ -291,17 +247,7 @@ def _fp8_decode_kernel(
     a_rows = a_ptr + offs_m[:, None] * stride_am
     w_rows = w_ptr + offs_n[:, None] * stride_wn
     ws_ptrs = ws_ptr + (offs_n // SCALE_ROWS) * stride_wsn
-    if QUANTIZE_A:
-        a_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if PER_ROW_SCALES:  # the rows' amax over all of K, as `_quantize_kernel` with one group per row
-            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, AMAX_BLOCK_K):
-                cols = k0 + tl.arange(0, AMAX_BLOCK_K)
-                x = tl.load(a_rows + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            a_scale = _scale_of(amax, FP8_MAX_C, MIN_SCALE_C)
-    else:  # per-token scales (for groups, overwritten at each step)
-        a_scale = tl.load(as_ptr + offs_m * stride_asm, mask=m_mask, other=0.0)
+    a_scale = tl.load(as_ptr + offs_m * stride_asm, mask=m_mask, other=0.0)  # per token (for groups, reloaded at each step)
     k_begin = split * k_steps_per_split
     k_end = tl.minimum(k_begin + k_steps_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -314,16 +260,10 @@ def _fp8_decode_kernel(
             k_mask = (offs_k < K)[None, :]
             a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
-        if QUANTIZE_A:
-            x = a.to(tl.float32)
-            if not PER_ROW_SCALES:  # this step is one 1xBLOCK_K group: its own scale per row
-                a_scale = _scale_of(tl.max(tl.abs(x), axis=1), FP8_MAX_C, MIN_SCALE_C)
-            a = _quantized(x, a_scale[:, None], FP8_MAX_C).to(w.dtype)
         if PER_ROW_SCALES:
             acc = tl.dot(a, tl.trans(w), acc)
         else:
-            if not QUANTIZE_A:
-                a_scale = tl.load(as_ptr + offs_m * stride_asm + step, mask=m_mask, other=0.0)
+            a_scale = tl.load(as_ptr + offs_m * stride_asm + step, mask=m_mask, other=0.0)
             w_s = tl.load(ws_ptrs + step, mask=n_mask, other=0.0)
             acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_s[None, :]
     if SPLIT_K == 1:
@@ -351,21 +291,17 @@ def split_ranges(k_steps: int, split_k: int) -> tuple[int, int]:
 
 
 def decode_kernel_constants(k: int, block_k: int, config: Fp8GemmConfig, split: int, *, per_row: bool, scale_rows: int,
-                            quantize: bool, has_bias: bool) -> dict:  # fmt: skip
+                            has_bias: bool) -> dict:  # fmt: skip
     """The constexpr arguments of one `_fp8_decode_kernel` launch but PDL (`launch_options`);
     the sm_90 compile test builds the kernel from these."""
-    return dict(
-        SCALE_ROWS=scale_rows, PER_ROW_SCALES=per_row, QUANTIZE_A=quantize, HAS_BIAS=has_bias, SPLIT_K=split,
-        EVEN_K=k % block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        AMAX_BLOCK_K=min(1024, triton.next_power_of_2(k), max(block_k, 8192 // config.block_m)),  # the amax pass: <= 8192 elements a step
-        FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-    )  # fmt: skip
+    return dict(SCALE_ROWS=scale_rows, PER_ROW_SCALES=per_row, HAS_BIAS=has_bias, SPLIT_K=split, EVEN_K=k % block_k == 0,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k)  # fmt: skip
 
 
-def _launch_decode(a: torch.Tensor, a_s: torch.Tensor | None, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None,
+def _launch_decode(a: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None,
                    out: torch.Tensor, per_row: bool, scale_rows: int, block_k: int, config: Fp8GemmConfig, pdl: bool) -> None:  # fmt: skip
-    """`_fp8_decode_kernel` on `a` (e4m3 with scales `a_s`, or the compute-dtype input when
-    `a_s` is None), writing `out`; the split over K as `config` asks where the workspace allows."""
+    """`_fp8_decode_kernel` on `a` (e4m3 with scales `a_s`), writing `out`; the split over K
+    as `config` asks where the workspace allows (else unsplit, on the same kernel)."""
     rows, k = a.shape
     n = w_q.shape[0]
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(n, config.block_n)
@@ -380,12 +316,11 @@ def _launch_decode(a: torch.Tensor, a_s: torch.Tensor | None, w_q: torch.Tensor,
             split, per_split = 1, k_steps
         else:
             partials, counts = buffers
-    constants = decode_kernel_constants(k, block_k, config, split, per_row=per_row, scale_rows=scale_rows, quantize=a_s is None,
-                                        has_bias=bias is not None)  # fmt: skip
+    constants = decode_kernel_constants(k, block_k, config, split, per_row=per_row, scale_rows=scale_rows, has_bias=bias is not None)
     _fp8_decode_kernel[(tiles * split,)](
-        a, a_s if a_s is not None else w_s, w_q, w_s, bias if bias is not None else w_s, out, partials, counts,
+        a, a_s, w_q, w_s, bias if bias is not None else w_s, out, partials, counts,
         rows, n, k, per_split,
-        a.stride(0), a_s.stride(0) if a_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0),
+        a.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
         **constants, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )  # fmt: skip
 
@@ -452,7 +387,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     if rows == 0:
         return out
     if config is None:
-        config = decode_plan(rows, n, k, per_row, sm_count(a_q.device)).config if rows <= DECODE_MAX_ROWS else default_config(rows)
+        config = decode_plan(rows, n, k, per_row, sm_count(a_q.device)) if rows <= DECODE_MAX_ROWS else default_config(rows)
     block_k = config.block_k if per_row else group
     pdl = pdl_launch(a_q, pdl_max_rows)
     if config.split_k > 1:
@@ -470,52 +405,14 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     return out
 
 
-def fp8_linear_fused(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,
-                     group: int | None = None, out_dtype: torch.dtype | None = None, config: Fp8GemmConfig | None = None,
-                     pdl_max_rows: int = 0) -> torch.Tensor:  # fmt: skip
-    """`fp8_gemm(*quantize_fp8(x, group), w_q, w_s, bias)` in one launch, for decode sizes:
-    each program quantizes the rows of `x` (compute dtype, [M, K]) it multiplies, per token
-    (`group` None, per-channel weights) or per token and `group` columns (block weights), with
-    the quantization kernel's formula and rounding, so with the same `config` it returns
-    exactly what the two launches return. `config` defaults to `decode_plan`'s."""
-    rows, k = x.shape
-    n = w_q.shape[0]
-    per_row = group is None or k <= group  # one group per row: per-token scales, applied after the sum
-    scale_rows = 1 if w_s.shape[0] == n else group  # per channel or per-row blocks, else 128x128 blocks
-    if w_q.shape[1] != k or w_q.stride(-1) != 1:
-        raise ValueError(f"fp8_linear_fused takes a row-major w {tuple(w_q.shape)} with x's K={k}")
-    if group is None and w_s.shape != (n, 1):
-        raise ValueError(f"per-token quantization takes per-channel scales [{n}, 1], got {tuple(w_s.shape)}")
-    if group is not None and w_s.shape != (triton.cdiv(n, scale_rows), triton.cdiv(k, group)):
-        raise ValueError(f"fp8_linear_fused scales {tuple(w_s.shape)} do not fit groups of {group} of K={k}, N={n}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    config = config or decode_plan(min(rows, DECODE_MAX_ROWS), n, k, group is None, sm_count(x.device)).config
-    block_k = config.block_k if per_row else group
-    _launch_decode(x, None, w_q, w_s, bias, out, per_row, scale_rows, block_k, config, pdl_launch(x, pdl_max_rows))
-    return out
-
-
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None, group: int | None = None,
                out_dtype: torch.dtype | None = None, pdl_max_rows: int = 0) -> torch.Tensor:  # fmt: skip
     """`x @ dequant(w_q, w_s).T + bias` with `x` quantized per token (`group` None) or per
-    token and `group` columns, on the Triton kernels: up to DECODE_MAX_ROWS rows as
-    `decode_plan` says (one fused launch, or `quantize_fp8` then the GEMM), more rows by
-    `quantize_fp8` and `fp8_gemm`'s prefill tiles. What `Fp8Linear` runs off cuBLAS."""
-    rows, k = x.shape
-    out_dtype = out_dtype or x.dtype
-    if 0 < rows <= DECODE_MAX_ROWS:
-        plan = decode_plan(rows, w_q.shape[0], k, group is None, sm_count(x.device))
-        if plan.fused:
-            return fp8_linear_fused(x, w_q, w_s, bias, group, out_dtype, plan.config, pdl_max_rows)
-        config = plan.config
-    else:
-        config = None
+    token and `group` columns, on the Triton kernels: `quantize_fp8`, then `fp8_gemm` with
+    `decode_plan`'s launch up to DECODE_MAX_ROWS rows, its prefill tiles above. What
+    `Fp8Linear` runs off cuBLAS."""
     q, s = quantize_fp8(x, group, pdl_max_rows)
-    return fp8_gemm(q, s, w_q, w_s, bias, out_dtype, group or BLOCK_GROUP, config, pdl_max_rows)
+    return fp8_gemm(q, s, w_q, w_s, bias, out_dtype or x.dtype, group or BLOCK_GROUP, pdl_max_rows=pdl_max_rows)
 
 
 def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,

@@ -82,15 +82,15 @@ def test_every_decode_tile_the_benchmark_times_is_exact(rows):
         assert (out - ref).norm() / ref.norm() < 1e-5, tile
 
 
-# ---- Decode sizes: the GEMM that quantizes its own input, split over K ------------------------
+# ---- Decode sizes: the GEMM split over K ----------------------------------------------------
 
 GROUPS = {"channel": None, "blocks": 128, "row-blocks": 128}
 
 
-def _decode_case(rows: int, n: int, k: int, layout: str, dtype: torch.dtype, seed: int = 0):
+def _decode_case(rows: int, n: int, k: int, layout: str, seed: int = 0):
     torch.manual_seed(seed)
     w_q, w_s = _weights(n, k, layout)
-    x = (torch.randn(rows, k, device=DEVICE) * torch.logspace(-1, 1, rows, device=DEVICE)[:, None]).to(dtype)
+    x = torch.randn(rows, k, device=DEVICE) * torch.logspace(-1, 1, rows, device=DEVICE)[:, None]
     x[:, 7] = 0.0  # an all-zero 1x128 group where K allows none otherwise
     if rows > 2:
         x[2] = 0.0  # an all-zero row: the amax floor
@@ -101,49 +101,41 @@ def _decode_case(rows: int, n: int, k: int, layout: str, dtype: torch.dtype, see
 @pytest.mark.parametrize("rows, layout", [(rows, layout) for rows in (1, 3, 16, 64) for layout in ("channel", "blocks")]
                          + [(1, "row-blocks"), (16, "row-blocks")])  # fmt: skip
 @pytest.mark.parametrize("n, k", [(96, 320), (136, 200), (40, 1000)])
-@pytest.mark.parametrize("split", [1, 3])
-def test_kernel_fused_quantization_is_the_two_launches_bit_for_bit(rows, layout, n, k, split):
-    """`fp8_linear_fused` (one launch: each program quantizes its own input tiles) returns
-    exactly what `quantize_fp8` and the GEMM with the same launch return, split over K or
-    not (unsplit, that GEMM is `_fp8_gemm_kernel`, the prefill kernel): the same scale
-    formula and e4m3 cast (`_scale_of`, `_quantized`) on the same values, the same products.
-    Odd N and K (masked tails, K not a multiple of the K step or of 128), an all-zero row."""
-    from vlmbatch.kernels.fp8 import decode_config, fp8_linear_fused, fused_config
+def test_kernel_split_k_matches_the_unsplit_product(rows, layout, n, k):
+    """The GEMM split over K (`_fp8_decode_kernel`, 3 ranges where K has the steps) equals
+    the unsplit decode tile (`_fp8_gemm_kernel`) up to float32 reassociation, and the
+    reference: every scale layout, odd N and K (masked tails, K not a multiple of the K
+    step or of 128), an all-zero row, the bias."""
+    from vlmbatch.kernels.fp8 import decode_config
 
     group = GROUPS[layout]
-    dtype = torch.float16 if (rows + n) % 2 else torch.float32  # both interpretable dtypes over the cases
-    x, w_q, w_s, bias = _decode_case(rows, n, k, layout, dtype)
-    config = fused_config(rows, 32, 128 if group else 64, 4, split)
-    fused = fp8_linear_fused(x, w_q, w_s, bias, group, torch.float32, config)
+    x, w_q, w_s, bias = _decode_case(rows, n, k, layout)
     a_q, a_s = quantize_fp8(x, group)
-    assert torch.equal(fused, fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=config))
-    if split == 1:  # the unsplit decode tile of the prefill kernel, too
-        assert torch.equal(fused, fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=decode_config(rows, 32, config.block_k, 4)))
+    block_k = 128 if group else 64
+
+    def run(split: int) -> torch.Tensor:
+        return fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=decode_config(rows, 32, block_k, 4, split))
+
+    split, unsplit = run(3), run(1)
+    assert (split - unsplit).norm() / unsplit.norm() < 1e-6
     ref = fp8_gemm_ref(a_q, a_s, w_q, w_s, bias, out_dtype=torch.float32)
-    assert (fused - ref).norm() / ref.norm() < 1e-5
-    # Against torch's quantization: exact on the GPU; the interpreter's e4m3 cast rounds a few
-    # values wrongly (1.989 -> 1.0), which only a bound that still catches a wrong scale allows.
-    x_q, x_s = quantize_fp8_ref(x.float(), group)
-    ref = fp8_gemm_ref(x_q, x_s, w_q, w_s, bias, out_dtype=torch.float32)
-    assert (fused - ref).norm() / ref.norm() < (1e-5 if DEVICE == "cuda" else 0.25)
+    assert (split - ref).norm() / ref.norm() < 1e-5
 
 
 @needs_kernels
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "quantized"])
-def test_kernel_split_k_is_deterministic_and_leaves_its_counters_at_zero(fused):
+def test_kernel_split_k_is_deterministic_and_leaves_its_counters_at_zero():
     """Split over K: the partial sums are added in range order by whichever program arrives
     last, so repeated launches agree bit for bit; they equal the unsplit product up to
     float32 reassociation; every tile's arrival counter is back at 0 (the next launch's
-    start), and a later, larger launch gets a larger workspace while the first is kept."""
+    start)."""
     from vlmbatch.kernels import fp8
-    from vlmbatch.kernels.fp8 import decode_config, fp8_linear_fused
+    from vlmbatch.kernels.fp8 import decode_config
 
-    x, w_q, w_s, _ = _decode_case(5, 200, 1000, "channel", torch.float32)
+    x, w_q, w_s, _ = _decode_case(5, 200, 1000, "channel")
     a_q, a_s = quantize_fp8(x)
 
     def run(split: int) -> torch.Tensor:
-        config = decode_config(5, 32, 64, 4, split)
-        return fp8_linear_fused(x, w_q, w_s, config=config, out_dtype=torch.float32) if fused else fp8_gemm(a_q, a_s, w_q, w_s, out_dtype=torch.float32, config=config)
+        return fp8_gemm(a_q, a_s, w_q, w_s, out_dtype=torch.float32, config=decode_config(5, 32, 64, 4, split))
 
     first = run(4)
     assert torch.equal(first, run(4)) and torch.equal(first, run(4))
@@ -186,36 +178,32 @@ DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the decode graphs' batch sizes up to 6
 
 
 def test_decode_plan_follows_the_measurements_and_its_own_rules():
-    """The selection table on the H200 (132 SMs): this morning's best tiles where they were
-    measured; a split over K only where the tiles leave SMs idle, filling them about once
-    and within its bounds; fused quantization only where its extra reads stay within the
-    weight's bytes or FUSED_EXTRA_BYTES."""
-    from vlmbatch.kernels.fp8 import FUSED_EXTRA_BYTES, MAX_SPLIT_K, decode_plan, fused_extra_bytes
+    """The selection table on the H200 (132 SMs): the best tiles where they were measured; a
+    split over K only where the tiles leave SMs idle, up to 16 rows into as many ranges as
+    give every SM two programs (at most 4), above 16 rows into 2 for a long K only, within
+    its bounds."""
+    from vlmbatch.kernels.fp8 import LONG_K, LONG_K_MAX_SPLIT, MAX_SPLIT_K, SPLIT_MAX_ROWS, decode_plan
 
     def plan(rows, layer, per_token=True):
         return decode_plan(rows, *LAYERS[layer], per_token)
 
-    assert plan(1, "3b qkv").fused and plan(1, "3b qkv").config.split_k == 2  # 80 strips of 32 -> 160 programs
-    assert plan(1, "3b o").config.split_k == 3 and plan(1, "7b qkv").config.split_k == 1  # 64 -> 192; 144 strips fill
-    assert (plan(1, "3b down").config.block_k, plan(64, "7b down").config.block_k) == (512, 512)
-    assert (plan(1, "3b gate_up").config.block_k, plan(16, "7b gate_up").config.block_k, plan(1, "3b lm_head").config.block_k) == (128, 128, 256)
+    # 3B at 1 row: 80 q/k/v and 64 o / down strips of 32 -> 4 ranges; gate/up and the LM head fill the GPU
+    assert [plan(1, layer).split_k for layer in ("3b qkv", "3b o", "3b down", "3b gate_up", "3b lm_head")] == [4, 4, 4, 1, 1]
+    assert (plan(1, "7b o").split_k, plan(1, "7b qkv").split_k, plan(16, "3b qkv").split_k) == (3, 1, 4)  # 112 strips -> 336
+    assert [plan(64, layer).split_k for layer in ("3b qkv", "3b o", "3b down", "7b down")] == [1, 1, 2, 2]
+    assert (plan(32, "3b o").split_k, plan(32, "3b down", per_token=False).split_k) == (1, 2)
+    assert (plan(1, "3b down").block_k, plan(64, "7b down").block_k) == (512, 512)
+    assert (plan(1, "3b gate_up").block_k, plan(16, "7b gate_up").block_k, plan(1, "3b lm_head").block_k) == (128, 128, 256)
     for layer in ("3b gate_up", "3b lm_head", "7b lm_head"):
-        config = plan(64, layer).config
+        config = plan(64, layer)
         assert (config.block_m, config.block_n, config.block_k, config.split_k) == (64, 128, 128, 1)
-    assert plan(16, "3b qkv").fused and plan(16, "3b qkv").config.split_k == 1  # 7.9 MB of re-reads: unsplit only
-    assert not plan(16, "3b down").fused and plan(16, "3b down", per_token=False).fused
     for (n, k), rows, per_token in ((shape, rows, p) for shape in LAYERS.values() for rows in DECODE_ROWS for p in (True, False)):
-        p = decode_plan(rows, n, k, per_token)
-        c = p.config
+        c = decode_plan(rows, n, k, per_token)
         tiles = -(-rows // c.block_m) * -(-n // c.block_n)
+        most = MAX_SPLIT_K if rows <= SPLIT_MAX_ROWS else LONG_K_MAX_SPLIT if k >= LONG_K else 1
         assert c.block_m >= min(rows, 64) and c.block_m in (16, 32, 64)
-        assert 1 <= c.split_k <= MAX_SPLIT_K and (c.split_k == 1 or (tiles < 132 and tiles * (c.split_k - 1) < 132))
+        assert 1 <= c.split_k <= most and (c.split_k == 1 or (tiles < 132 and tiles * (c.split_k - 1) < 2 * 132))
         assert c.split_k <= max(1, -(-k // c.block_k) // 2) and c.split_k <= max(1, k // (16 * rows))
-        allowed = max(n * k, FUSED_EXTRA_BYTES)
-        if p.fused:
-            assert fused_extra_bytes(tiles, c.split_k, rows, k, per_token) <= allowed
-        else:
-            assert fused_extra_bytes(tiles, 1, rows, k, per_token) > allowed  # not even unsplit within the bound
         assert per_token or c.block_k == 128
 
 
@@ -223,22 +211,17 @@ def test_decode_plan_follows_the_measurements_and_its_own_rules():
 @pytest.mark.parametrize("rows", [1, 4, 16, 64, 100])
 @pytest.mark.parametrize("layout", ["channel", "blocks"])
 def test_kernel_fp8_linear_runs_the_plan(rows, layout):
-    """`fp8_linear` (what `Fp8Linear` runs off cuBLAS) is, bit for bit, the launch
-    `decode_plan` names: fused, or the quantization kernel and the GEMM; past 64 rows the
-    quantization kernel and the prefill tiles."""
+    """`fp8_linear` (what `Fp8Linear` runs off cuBLAS) is, bit for bit, the quantization
+    kernel and the GEMM launch `decode_plan` names; past 64 rows, the prefill tiles."""
     from vlmbatch.kernels.decode_attention import sm_count
-    from vlmbatch.kernels.fp8 import decode_plan, default_config, fp8_linear, fp8_linear_fused
+    from vlmbatch.kernels.fp8 import decode_plan, default_config, fp8_linear
 
     group = GROUPS[layout]
-    x, w_q, w_s, bias = _decode_case(rows, 200, 384, layout, torch.float32)
+    x, w_q, w_s, bias = _decode_case(rows, 200, 384, layout)
     out = fp8_linear(x, w_q, w_s, bias, group)
     a_q, a_s = quantize_fp8(x, group)
-    if rows <= 64:
-        plan = decode_plan(rows, 200, 384, group is None, sm_count(x.device))
-        expected = fp8_linear_fused(x, w_q, w_s, bias, group, config=plan.config) if plan.fused else fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=plan.config)
-    else:
-        expected = fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=default_config(rows))
-    assert out.dtype == x.dtype and torch.equal(out, expected)
+    config = decode_plan(rows, 200, 384, group is None, sm_count(x.device)) if rows <= 64 else default_config(rows)
+    assert out.dtype == x.dtype and torch.equal(out, fp8_gemm(a_q, a_s, w_q, w_s, bias, torch.float32, config=config))
 
 
 @gpu
@@ -259,11 +242,10 @@ def test_scaled_mm_and_the_triton_gemm_agree_in_bf16_on_3b_shapes(rows):
 @pytest.mark.parametrize("layer", ["3b qkv", "3b o", "3b gate_up", "3b down"])
 @pytest.mark.parametrize("layout", ["channel", "blocks"])
 def test_fp8_linear_at_decode_sizes_in_bf16_on_3b_shapes(rows, layer, layout):
-    """On the GPU, bf16 input: `fp8_linear` as planned equals the quantization kernel and
-    the same GEMM launch bit for bit where it fuses, and torch's quantization with the
+    """On the GPU, bf16 input: `fp8_linear` as planned equals torch's quantization with the
     reference product up to bf16's rounding; repeated launches (split ones included) agree
     bit for bit, eagerly and replayed in a CUDA graph with PDL (as decode graphs run them)."""
-    from vlmbatch.kernels.fp8 import decode_plan, fp8_linear
+    from vlmbatch.kernels.fp8 import fp8_linear
 
     n, k = LAYERS[layer]
     group = GROUPS[layout]
@@ -272,10 +254,7 @@ def test_fp8_linear_at_decode_sizes_in_bf16_on_3b_shapes(rows, layer, layout):
     w_q, w_s = quantize_fp8_ref(w, None) if group is None else quantize_fp8_blocks_ref(w)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if layer.endswith("qkv") else None
-    plan = decode_plan(rows, n, k, group is None, torch.cuda.get_device_properties(0).multi_processor_count)
     out = fp8_linear(x, w_q, w_s, bias, group)
-    if plan.fused:
-        assert torch.equal(out, fp8_gemm(*quantize_fp8(x, group), w_q, w_s, bias, config=plan.config))
     x_q, x_s = quantize_fp8_ref(x.float(), group)
     ref = fp8_gemm_ref(x_q, x_s, w_q, w_s, bias.float() if bias is not None else None, out_dtype=torch.float32)
     assert out.dtype == torch.bfloat16 and (out.float() - ref).norm() / ref.norm() < 2.0**-8
@@ -323,11 +302,11 @@ def test_kernels_run_under_the_triton_interpreter():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fused", [True, False], ids=["fp8_linear", "quantize-then-gemm"])
+@pytest.mark.parametrize("linear", [True, False], ids=["fp8_linear", "quantize-then-gemm"])
 @pytest.mark.parametrize("layout", ["blocks", "channel"])
-def test_kernel_fp8_linear_is_the_quantized_product(layout, fused):
+def test_kernel_fp8_linear_is_the_quantized_product(layout, linear):
     """`Fp8Linear` end to end (activation quantization + GEMM, leading dims kept) against
-    the references, through `fp8_linear` (the engine's: 6 rows, fused) or the two kernels;
+    the references, through `fp8_linear` (the engine's) or the two kernels;
     on the CPU up to the interpreter's few wrong e4m3 casts of activations."""
     from vlmbatch.engine.kernel_choice import Fp8Gemms
     from vlmbatch.engine.layers.fp8_linear import Fp8Linear
@@ -335,7 +314,7 @@ def test_kernel_fp8_linear_is_the_quantized_product(layout, fused):
 
     from vlmbatch.kernels.fp8 import fp8_linear
 
-    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported, fp8_linear if fused else None)
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported, fp8_linear if linear else None)
     w = torch.randn(192, 256, device=DEVICE) * 0.02
     w_q, w_s = quantize_fp8_blocks_ref(w) if layout == "blocks" else quantize_fp8_ref(w, None)
     bias = torch.randn(192, device=DEVICE)

@@ -7,14 +7,13 @@ on our Triton GEMM and on cuBLAS (`torch._scaled_mm`). `KernelSet.fp8`'s rule (T
 to `FP8_TRITON_MAX_ROWS` rows, cuBLAS above, for per-channel weights) is read off this table.
 
 Up to 64 rows it also times what `Fp8Linear` runs there (`fp8 channel plan` / `fp8 block
-plan`: `kernels.fp8.fp8_linear` as `fp8.decode_plan` chose, the launch in the name) and,
-at 1, 16 and 64 rows, the sweep around it: unsplit tiles with a separate quantization
-(`fp8 channel triton bn/bk/w`, `fp8.FP8_DECODE_TILES`; bn32/bk256/w4 was this morning's
-default), and `fp8.FP8_SPLIT_TILES` fused (`fp8 channel fused bn/bk/w/s`, one launch) and
-split with a separate quantization (`fp8 channel split`). `fp8 channel triton` and `fp8
-block triton` are the separate quantization and `fp8_gemm`'s default launch (the plan's
-tile and split up to 64 rows). `exact` says whether a fused launch returned bit for bit
-what the quantization kernel and the same GEMM launch return; `error`, why a variant failed.
+plan`: `kernels.fp8.fp8_linear` with `fp8.decode_plan`'s launch, named in the variant) and,
+at 1, 16 and 64 rows, the sweep around it, each after the quantization kernel: unsplit
+tiles (`fp8 channel triton bn/bk/w`, `fp8.FP8_DECODE_TILES`; bn32/bk256/w4 was session 8's
+default) and tiles split over K (`fp8 channel split bn/bk/w/s`, `fp8.FP8_SPLIT_TILES`; `fp8
+block split` for those with 128-column K steps).
+`fp8 channel triton` and `fp8 block triton` are the quantization kernel and `fp8_gemm`'s
+default launch (the plan's up to 64 rows). `error` says why a variant failed.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmbatch.kernels.fp8 import (FP8_DECODE_TILES, FP8_SPLIT_TILES, Fp8GemmConfig, decode_config, decode_plan, fp8_gemm, fp8_linear,
-                                  fp8_linear_fused, fused_config, quantize_fp8, scaled_mm)
+                                  quantize_fp8, scaled_mm)
 from vlmbatch.kernels.decode_attention import sm_count
 from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 from vlmbatch.testing.fp8_checkpoints import quantization_config
@@ -137,7 +136,7 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
                 expected = F.linear(x, base).float()
                 decode, sweep = num_rows <= 64, num_rows in FP8_SWEEP_ROWS
 
-                def add(variant: str, fn: Callable, weights: list, nbytes: int, unfused: Callable | None = None) -> None:
+                def add(variant: str, fn: Callable, weights: list, nbytes: int) -> None:
                     try:
                         result = fn(weights[0])
                     except OutOfResources:  # a launch whose tiles do not fit in shared memory
@@ -146,24 +145,15 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
                         out.append({"model": model, "layer": name, "rows": num_rows, "variant": variant, "error": repr(exc)[:300]})
                         return
                     ms = graph_ms_per_call(fn, weights)
-                    row = {"model": model, "layer": name, "rows": num_rows, "variant": variant, "us": 1000 * ms,
-                           "weight_tb_s": nbytes / ms / 1e9, "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tb_s,
-                           "rel_err": ((result.float() - expected).norm() / expected.norm()).item()}  # fmt: skip
-                    if unfused is not None:
-                        row["exact"] = torch.equal(result, unfused(weights[0]))
-                    out.append(row)
-
-                def fused(group: int | None, config: Fp8GemmConfig) -> tuple[Callable, Callable]:
-                    return (lambda w: fp8_linear_fused(x, *w, group=group, config=config),
-                            lambda w: fp8_gemm(*quantize_fp8(x, group), *w, config=config))
+                    out.append({"model": model, "layer": name, "rows": num_rows, "variant": variant, "us": 1000 * ms,
+                                "weight_tb_s": nbytes / ms / 1e9, "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tb_s,
+                                "rel_err": ((result.float() - expected).norm() / expected.norm()).item()})  # fmt: skip
 
                 add("bf16 cublas", lambda w: F.linear(x, w), bf16, 2 * n * k)
                 if decode:
                     for group, layout, weights in ((None, "channel", channel), (128, "block", block)):
-                        plan = decode_plan(num_rows, n, k, group is None, sm_count(device))  # what `fp8_linear` picks
-                        how = "fused" if plan.fused else "quantize +"
-                        add(f"fp8 {layout} plan: {how} {launch_name(plan.config)}", lambda w, g=group: fp8_linear(x, *w, group=g), weights,
-                            n * k, fused(group, plan.config)[1] if plan.fused else None)  # fmt: skip
+                        plan = decode_plan(num_rows, n, k, group is None, sm_count(device))  # what `fp8_linear` runs
+                        add(f"fp8 {layout} plan: quantize + {launch_name(plan)}", lambda w, g=group: fp8_linear(x, *w, group=g), weights, n * k)
                 if not decode or sweep:
                     add("fp8 block triton", lambda w: fp8_gemm(*quantize_fp8(x, 128), *w), block, n * k)
                     add("fp8 channel triton", lambda w: fp8_gemm(*quantize_fp8(x), *w), channel, n * k)
@@ -172,16 +162,11 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
                     add("fp8 channel triton bn{}/bk{}/w{}".format(*tile),
                         lambda w, config=config: fp8_gemm(*quantize_fp8(x), *w, config=config), channel, n * k)
                 for tile in FP8_SPLIT_TILES if sweep else ():
+                    config = decode_config(num_rows, *tile)
                     for group, layout, weights in ((None, "channel", channel), (128, "block", block)):
-                        if group is not None and tile[1] != 128:
-                            continue
-                        config = fused_config(num_rows, *tile)
-                        run, unfused = fused(group, config)
-                        add(f"fp8 {layout} fused {launch_name(config)}", run, weights, n * k, unfused)
-                    if tile[3] > 1:
-                        config = decode_config(num_rows, *tile)
-                        add(f"fp8 channel split {launch_name(config)}", lambda w, config=config: fp8_gemm(*quantize_fp8(x), *w, config=config),
-                            channel, n * k)  # fmt: skip
+                        if group is None or tile[1] == 128:  # block weights step by their 128-column groups
+                            add(f"fp8 {layout} split {launch_name(config)}", lambda w, config=config, g=group: fp8_gemm(*quantize_fp8(x, g), *w, config=config),
+                                weights, n * k)  # fmt: skip
                 if n % 16 == 0 and k % 16 == 0 and (not decode or sweep):
                     add("fp8 channel cublas", lambda w: scaled_mm(*quantize_fp8(x), *w), channel, n * k)
             del bf16, block, channel

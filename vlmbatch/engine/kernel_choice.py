@@ -42,7 +42,7 @@ class Fp8Gemms:
     triton_max_rows: int  # per-channel products of more rows go to `scaled_mm` where it applies
     scaled_mm_shapes: Callable[[int, int], bool]  # (N, K) -> whether cuBLAS takes them
     # `kernels.fp8.fp8_linear`: (x, w_q, w_s, bias, group, out_dtype) -> out, quantizing `x` itself
-    # (fused into the GEMM at decode sizes, `fp8.decode_plan`); None: `quantize` then `gemm`
+    # (the GEMM's launch at decode sizes from `fp8.decode_plan`); None: `quantize` then `gemm`
     linear: Callable | None = None
 
 

@@ -7,9 +7,9 @@ when fused projections are not multiples of 128 rows, as in the tiny test models
 call quantizes its input per token (channel layout) or per token and 128 columns (block
 layout), then multiplies: above `KernelSet.fp8.triton_max_rows` rows (64) through
 `torch._scaled_mm` after `vlmbatch.kernels.quantize_fp8` where cuBLAS takes the shape, else
-through `vlmbatch.kernels.fp8.fp8_linear`, which at decode sizes quantizes inside the GEMM
-(one launch) or in a launch of its own as `fp8.decode_plan` says. Nothing syncs with the
-host, so decode graphs capture it.
+through `vlmbatch.kernels.fp8.fp8_linear` (the quantization kernel, then the GEMM with
+`fp8.decode_plan`'s launch at decode sizes). Nothing syncs with the host, so decode graphs
+capture it.
 
 Where FP8 cannot run (the CPU) the engine never builds these: `fp8_weights` gives the
 same fp8 values and scales, and `dequantize` turns them into the compute-dtype weight of a
@@ -51,7 +51,7 @@ class Fp8Linear(nn.Module):
         if self.use_scaled_mm and x.shape[0] > self.gemms.triton_max_rows:
             q, s = self.gemms.quantize(x, group)
             out = self.gemms.scaled_mm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
-        elif self.gemms.linear is not None:  # Triton, quantizing as `fp8.decode_plan` says (fused at decode sizes)
+        elif self.gemms.linear is not None:  # Triton, the GEMM launched as `fp8.decode_plan` says at decode sizes
             out = self.gemms.linear(x, self.weight, self.weight_scale, self.bias, group, x.dtype)
         else:
             q, s = self.gemms.quantize(x, group)
