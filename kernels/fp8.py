@@ -426,3 +426,16 @@ def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torc
 
 def scaled_mm_supported(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 16 == 0
+
+
+def scaled_mm_blocks(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
+    """The 1x128-group x 128x128-block product through cuBLAS (`torch._scaled_mm` with
+    block scales: cuBLAS >= 12.9 on sm_90), a candidate for prefill-sized block products,
+    where the Triton block GEMM ran 1.3-2.7x slower than bf16 on the H200 and cuBLAS's
+    rowwise FP8 1.1-1.5x faster (benchmarks/2026-12-02/s8-fp8-kernels.log). `torch` takes
+    the activation scales [M, K/128] outer-dim-major (column-major) and the weight's
+    [N/128, K/128] row-major as the transpose of B's; `vlmbatch bench kernels --sections
+    fp8` times it ("fp8 block cublas") before the engine uses it."""
+    out = torch._scaled_mm(a_q, w_q.t(), scale_a=a_s.t().contiguous().t(), scale_b=w_s.t(), out_dtype=out_dtype)
+    return out if bias is None else out.add_(bias)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmbatch.kernels.fp8 import (FP8_DECODE_TILES, FP8_SPLIT_TILES, Fp8GemmConfig, decode_config, decode_plan, fp8_gemm, fp8_linear,
-                                  quantize_fp8, scaled_mm)
+                                  quantize_fp8, scaled_mm, scaled_mm_blocks)
 from vlmbatch.kernels.decode_attention import sm_count
 from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 from vlmbatch.testing.fp8_checkpoints import quantization_config
@@ -169,6 +169,8 @@ def bench_fp8_linear(device: torch.device, copy_tb_s: float, shapes: dict, graph
                                 weights, n * k)  # fmt: skip
                 if n % 16 == 0 and k % 16 == 0 and (not decode or sweep):
                     add("fp8 channel cublas", lambda w: scaled_mm(*quantize_fp8(x), *w), channel, n * k)
+                if not decode:  # the candidate for block weights in prefill (an error row where cuBLAS refuses the shape)
+                    add("fp8 block cublas", lambda w: scaled_mm_blocks(*quantize_fp8(x, 128), *w), block, n * k)
             del bf16, block, channel
     return out
 

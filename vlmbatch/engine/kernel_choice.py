@@ -41,9 +41,6 @@ class Fp8Gemms:
     scaled_mm: Callable  # `kernels.fp8.scaled_mm`: cuBLAS, per-token x per-channel only
     triton_max_rows: int  # per-channel products of more rows go to `scaled_mm` where it applies
     scaled_mm_shapes: Callable[[int, int], bool]  # (N, K) -> whether cuBLAS takes them
-    # `kernels.fp8.fp8_linear`: (x, w_q, w_s, bias, group, out_dtype) -> out, quantizing `x` itself
-    # (the GEMM's launch at decode sizes from `fp8.decode_plan`); None: `quantize` then `gemm`
-    linear: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -95,8 +92,7 @@ def fp8_gemms(device: torch.device, pdl_max_rows: int = 0) -> Fp8Gemms | None:
     kernels = importlib.import_module("vlmbatch.kernels")
     return Fp8Gemms(functools.partial(kernels.quantize_fp8, pdl_max_rows=pdl_max_rows),
                     functools.partial(kernels.fp8_gemm, pdl_max_rows=pdl_max_rows),
-                    kernels.fp8.scaled_mm, FP8_TRITON_MAX_ROWS, kernels.fp8.scaled_mm_supported,
-                    functools.partial(kernels.fp8.fp8_linear, pdl_max_rows=pdl_max_rows))  # fmt: skip
+                    kernels.fp8.scaled_mm, FP8_TRITON_MAX_ROWS, kernels.fp8.scaled_mm_supported)  # fmt: skip
 
 
 def choose_kernels(config: EngineConfig, device: torch.device, attention_backend: str) -> KernelSet:

@@ -6,9 +6,8 @@ output channel (compressed-tensors checkpoints, online quantization) or
 when fused projections are not multiples of 128 rows, as in the tiny test models). Each
 call quantizes its input per token (channel layout) or per token and 128 columns (block
 layout), then multiplies: above `KernelSet.fp8.triton_max_rows` rows (64) through
-`torch._scaled_mm` after `vlmbatch.kernels.quantize_fp8` where cuBLAS takes the shape, else
-through `vlmbatch.kernels.fp8.fp8_linear` (the quantization kernel, then the GEMM with
-`fp8.decode_plan`'s launch at decode sizes). Nothing syncs with the host, so decode graphs
+`torch._scaled_mm` where cuBLAS takes the shape, else through `vlmbatch.kernels.fp8_gemm`
+(with `fp8.decode_plan`'s launch at decode sizes), after `vlmbatch.kernels.quantize_fp8`. Nothing syncs with the host, so decode graphs
 capture it.
 
 Where FP8 cannot run (the CPU) the engine never builds these: `fp8_weights` gives the
@@ -48,13 +47,10 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         group = None if self.per_channel else GROUP
+        q, s = self.gemms.quantize(x, group)
         if self.use_scaled_mm and x.shape[0] > self.gemms.triton_max_rows:
-            q, s = self.gemms.quantize(x, group)
             out = self.gemms.scaled_mm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
-        elif self.gemms.linear is not None:  # Triton, the GEMM launched as `fp8.decode_plan` says at decode sizes
-            out = self.gemms.linear(x, self.weight, self.weight_scale, self.bias, group, x.dtype)
-        else:
-            q, s = self.gemms.quantize(x, group)
+        else:  # Triton: `fp8.decode_plan`'s launch at decode sizes
             out = self.gemms.gemm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
