@@ -9,6 +9,7 @@ are random, seeded, and byte-identical for the same seed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,13 @@ def token_id_fields(ids: dict[str, int], bos: str, eos: str, pad: str) -> dict[s
     return {"bos_token_id": ids[bos], "eos_token_id": ids[eos], "pad_token_id": ids[pad]}
 
 
-def train_tokenizer(special_tokens: list[str], add_bos: str | None):
-    """A byte-level BPE trained on `CORPUS`, wrapped as a transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def train_tokenizer(special_tokens: list[str], add_bos: str | None, literal_tokens: Sequence[str] = ()):
+    """A byte-level BPE trained on `CORPUS`, wrapped as a transformers tokenizer.
+
+    `literal_tokens` are ordinary (not special) tokens added after training: matched in the
+    text before the byte-level split and kept in the vocabulary as written, as a SentencePiece
+    vocabulary has them (Gemma's newline runs), where byte-level BPE would spell "\n" as "Ċ"."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import TokenizersBackend
 
     tok = Tokenizer(models.BPE())
@@ -69,6 +74,7 @@ def train_tokenizer(special_tokens: list[str], add_bos: str | None):
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS], trainer=trainer)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in literal_tokens])
     if add_bos is not None:
         bos_id = tok.token_to_id(add_bos)
         tok.post_processor = processors.TemplateProcessing(

@@ -22,6 +22,10 @@ BOI, EOI, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", BOI, EOI, IMAGE_TOKEN]
 IMAGE_SIZE, PATCH_SIZE, TOKENS_PER_IMAGE = 32, 4, 16  # 8x8 patches pooled 2x2 into 16 tokens
 SLIDING_WINDOW = 12
+# Gemma's vocabulary spells runs of newlines as single tokens ("\n\n" around each image), and
+# vLLM's Gemma 3 processor looks "\n" to "\n\n\n\n" up by that text (`gemma3_mm.py`), which a
+# byte-level BPE alone would spell "Ċ", "ĊĊ"...: the tokenizer adds them as written.
+NEWLINES = ["\n" * n for n in range(1, 5)]
 
 # Gemma 3's prompt format: a system message is folded into the first user turn, the
 # assistant's role is "model", each image is a `<start_of_image>` the processor expands.
@@ -49,7 +53,7 @@ CHAT_TEMPLATE = (
 def processor() -> Any:
     from transformers import Gemma3ImageProcessor, Gemma3Processor, TokenizersBackend
 
-    trained = train_tokenizer(SPECIAL_TOKENS, add_bos="<bos>")
+    trained = train_tokenizer(SPECIAL_TOKENS, add_bos="<bos>", literal_tokens=NEWLINES)
     tokenizer = TokenizersBackend(
         tokenizer_object=trained.backend_tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         unk_token="<unk>", extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE_TOKEN},
