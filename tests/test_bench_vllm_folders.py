@@ -103,3 +103,27 @@ def test_vllm_finds_what_its_processor_looks_up_in_the_bench_folder(tmp_path, na
     assert embedded > 0
     if lookups.image_tokens is not None:
         assert embedded == lookups.image_tokens(processor, 448, 448)
+
+
+def test_the_vllm_child_starts_with_the_names_vllm_imports_from_transformers(tmp_path):
+    """The child's PYTHONPATH leads with the peer's sitecustomize (after `--vllm-pythonpath`
+    replaced ours), so a Python started with it, as vLLM's subprocesses are, can import what
+    vLLM 0.26's pixtral.py imports from transformers 5, and the position ids are each patch's
+    row x max_width + column, image after image."""
+    import os
+    import subprocess
+    import sys
+
+    from vlmbatch.bench.peers.vllm import VLLM_SITE, child_environment
+
+    env = child_environment({"PYTHONPATH": "/nowhere", "HOME": str(tmp_path)}, [])
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(VLLM_SITE), "/nowhere"] and env["HF_HUB_OFFLINE"] == "1"
+    assert child_environment({"PYTHONPATH": "/ours"}, ["/tmp/site-vllm"])["PYTHONPATH"].split(os.pathsep) == [str(VLLM_SITE), "/tmp/site-vllm"]
+    probe = ("import torch\n"
+             "from transformers.models.pixtral.modeling_pixtral import PixtralRotaryEmbedding, position_ids_in_meshgrid\n"
+             "ids = position_ids_in_meshgrid([torch.zeros(3, 2, 3), torch.zeros(3, 1, 2)], max_width=4)\n"
+             "print(ids.tolist())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": os.pathsep.join([str(VLLM_SITE), *sys.path])},
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[0, 1, 2, 4, 5, 6, 0, 1]"

@@ -56,6 +56,7 @@ from vlmbatch.bench.workloads import Workload
 
 # What vLLM 0.26 needs on the lent H200 (../shared/FACTS.md); set unless the caller set them.
 CHILD_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+VLLM_SITE = Path(__file__).with_name("vllm_site")  # sitecustomize.py for the child's processes
 
 
 def vllm_missing(device_type: str, pythonpath: list[str]) -> str | None:
@@ -126,15 +127,23 @@ def run_vllm_video_peer(spec: dict[str, Any], timeout_s: float, workdir: Path, e
     return run_child(dict(spec, kind="video"), timeout_s, workdir, env, pythonpath)
 
 
+def child_environment(env: dict[str, str], pythonpath: list[str]) -> dict[str, str]:
+    """`env` with CHILD_ENV's defaults; `pythonpath`, when given, replaces its PYTHONPATH (a
+    transformers carried for our engine must not reach vLLM), and VLLM_SITE leads it either
+    way (its sitecustomize restores names vLLM imports)."""
+    child_env = {**CHILD_ENV, **env}
+    rest = pythonpath or [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    child_env["PYTHONPATH"] = os.pathsep.join([str(VLLM_SITE), *rest])
+    return child_env
+
+
 def run_child(spec: dict[str, Any], timeout_s: float, workdir: Path, env: dict[str, str], pythonpath: list[str]) -> dict[str, Any]:
     """`python -m vlmbatch.bench.peers.vllm` on `spec` in its own session; its whole process
     group is killed when it exits or runs past `timeout_s`; returns its result file."""
     spec_path, result_path = workdir / "vllm-spec.json", workdir / "vllm-result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
-    child_env = {**CHILD_ENV, **env}
-    if pythonpath:  # replaces ours: a transformers carried for our engine must not reach vLLM
-        child_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    child_env = child_environment(env, pythonpath)
     command = [sys.executable, "-m", "vlmbatch.bench.peers.vllm", str(spec_path), str(result_path)]
     child = subprocess.Popen(command, env=child_env, start_new_session=True)
     error = None
