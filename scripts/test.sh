@@ -7,7 +7,8 @@ bash scripts/setup.sh
 if ! redis-cli -p 6379 ping >/dev/null 2>&1; then
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
 fi
-# The default run (CI's) leaves out the tests marked slow, the long queue-reliability runs
-# (kill -9, Redis loss, redelivery, shutdown signals): `bash scripts/test.sh -m slow` runs
-# them, `bash scripts/test.sh -m ""` runs everything.
+# The default run (CI's) leaves out the tests marked slow: the long queue-reliability runs
+# (kill -9, Redis loss, redelivery, shutdown signals), the 50-prompt parity sweeps, and runs
+# whose behaviour a default test already covers (each marker says which; README "Status"
+# lists them): `bash scripts/test.sh -m slow` runs them, `bash scripts/test.sh -m ""` runs everything.
 python3 -m pytest tests -q -ra -m "not slow" "$@"

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -122,6 +123,29 @@ def wait_state(job_dir: Path, broker: str, states: set[str], timeout: float) -> 
         return status if status.state in states else None
 
     return wait_for(reached, timeout, f"job state in {sorted(states)}")  # type: ignore[return-value]
+
+
+@contextmanager
+def deliveries(server: RedisServer, timeout: float) -> Iterator[Callable[[int], None]]:
+    """MONITOR `server` from here on: `wait(n)` returns the moment the n-th message since
+    then is taken off a queue (kombu's HSET of it into `unacked`), i.e. just before the
+    worker that took it makes the task's first Redis calls."""
+    client = redis.Redis.from_url(server.url, socket_timeout=timeout)
+    with client.monitor() as monitor:
+        seen = 0
+
+        def wait(n: int) -> None:
+            nonlocal seen
+            try:
+                for command in monitor.listen():
+                    seen += command["command"].startswith("HSET unacked ")
+                    if seen >= n:
+                        return
+            except redis.TimeoutError:
+                raise AssertionError(f"{seen} messages taken, waiting for the {n}th, none within {timeout:.0f} s") from None
+
+        yield wait
+    client.close()
 
 
 def running_shards(job_dir: Path, broker: str) -> dict[int, str]:

@@ -26,7 +26,10 @@ def _run(name: str, model: Path, output: Path, *flags: str) -> tuple[Path, list[
     return job_dir, pq.read_table(job_dir / "results").sort_by("row_id").to_pylist()
 
 
-@pytest.mark.parametrize("name", ["invoice-extraction", "video-qa"])  # captioning's run below checks it too
+# slow: each example's run below passes the same checks (submit refuses a job that fails them,
+# and every row must succeed), as captioning's always did; this is the dry run's view of them.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["invoice-extraction", "video-qa"])
 def test_structured_example_passes_the_submit_checks(name: str, tiny_qwen: Path, tmp_path: Path) -> None:
     options = load_job_file(JOBS / name / EXAMPLES[name])
     assert Path(options["dataset"]).exists()  # a local path, resolved against the job file

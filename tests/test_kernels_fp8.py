@@ -1,12 +1,13 @@
 """FP8 kernels (`kernels/fp8.py`) against their torch references, and `Fp8Linear` on a GPU.
 
 Kernel cases (`test_kernel_*`) run on a CUDA GPU, or on the CPU under TRITON_INTERPRET=1:
-when this process cannot run them, `test_kernels_run_under_the_triton_interpreter` runs
-them in a fresh interpreter process. The interpreter's fp8 `tl.dot` is exact, but its
-float32 -> e4m3 cast rounds a few percent of values wrongly (seen: 1.989 -> 1.0 where
-torch gives 2.0): there the quantization test checks the scales exactly and that over 90%
-of the values equal torch's; on the GPU it checks both exactly. The `gpu` cases also run the
-per-channel product through `torch._scaled_mm` and an `Fp8Linear` on 3B shapes.
+when this process cannot run them, test_kernels_interpreter.py runs this file in a fresh
+interpreter process (and `test_kernels_run_under_the_triton_interpreter`, `slow`, its kernel
+cases). The interpreter's fp8 `tl.dot` is exact, but its float32 -> e4m3 cast rounds a few
+percent of values wrongly (seen: 1.989 -> 1.0 where torch gives 2.0): there the
+quantization test checks the scales exactly and that over 90% of the values equal torch's;
+on the GPU it checks both exactly. The `gpu` cases also run the per-channel product
+through `torch._scaled_mm` and an `Fp8Linear` on 3B shapes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vlmbatch.kernels.reference import fp8_gemm_ref, quantize_fp8_blocks_ref, qu
 from vlmbatch.kernels.testing import kernel_target
 
 TARGET = kernel_target()
-needs_kernels = pytest.mark.skipif(TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_run_under_the_triton_interpreter runs them so)")
+needs_kernels = pytest.mark.skipif(TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_interpreter.py runs them so)")
 DEVICE = TARGET.device if TARGET else "cpu"
 gpu = pytest.mark.gpu
 
@@ -313,6 +314,9 @@ def test_fp8_linear_block_layout_in_a_cuda_graph():
     assert (eager.float() - ref).norm() / ref.norm() < 2.0**-8
 
 
+# slow: the default run has these cases under the interpreter already, in test_kernels_interpreter.py
+# (this whole file, its skips checked); this runs them from this file alone, e.g. `pytest FILE -m slow`.
+@pytest.mark.slow
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
 def test_kernels_run_under_the_triton_interpreter():
     result = subprocess.run(

@@ -3,8 +3,9 @@
 
 Kernel cases (`test_kernel_*`, `test_align_*`) run on a CUDA GPU, or on the CPU under
 TRITON_INTERPRET=1 in fp32/fp16 (the interpreter's bf16 `tl.dot` is wrong): when this
-process cannot run them, `test_kernels_run_under_the_triton_interpreter` runs them in a
-fresh interpreter process, as test_kernels_interpreter.py does for the other kernels.
+process cannot run them, test_kernels_interpreter.py runs this file in a fresh
+interpreter process (and `test_kernels_run_under_the_triton_interpreter`, `slow`, its kernel
+cases).
 The block-vs-transformers cases are plain torch, float32, on the CPU. The `gpu` cases run
 the 30B-A3B shapes in bf16 and under CUDA-graph capture.
 """
@@ -30,7 +31,7 @@ from vlmbatch.kernels.reference import fused_moe_ref
 from vlmbatch.kernels.testing import TOLERANCE, kernel_target
 
 TARGET = kernel_target()
-needs_kernels = pytest.mark.skipif(TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_run_under_the_triton_interpreter runs them so)")
+needs_kernels = pytest.mark.skipif(TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_interpreter.py runs them so)")
 DTYPES = TARGET.dtypes if TARGET else ()
 SMALL_TILES = MoeConfig(16, GemmTile(32, 32), GemmTile(32, 32))
 PER_PAIR = MoeConfig(1, GemmTile(16, 32), GemmTile(8, 16))  # the GEMV kernels of a handful of tokens
@@ -254,6 +255,9 @@ def test_partial_sweep_rewrites_only_its_token_counts(tmp_path):
     assert all(after[n] == before[n] for n in before if n != 1)
 
 
+# slow: the default run has these cases under the interpreter already, in test_kernels_interpreter.py
+# (this whole file, its skips checked); this runs them from this file alone, e.g. `pytest FILE -m slow`.
+@pytest.mark.slow
 @pytest.mark.skipif(TARGET is not None, reason="this process runs the kernel tests directly")
 @pytest.mark.timeout(300)
 def test_kernels_run_under_the_triton_interpreter():

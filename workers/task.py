@@ -50,19 +50,18 @@ def _run_delivered(task: Any, job_dir: str, shard_id: int, retry_errors: bool, w
     committed = manifest.part_path(shard_id).exists
     if committed() != retry_errors:
         return "already committed" if committed() else "no part to retry"
-    if store.is_cancelled():
-        store.set_shard_state(shard_id, "cancelled")
-        return "cancelled"
-
-    ttl = worker.queue.visibility_timeout
-    delivery_tag = (task.request.properties or {}).get("delivery_tag")
-    lease = ShardLease(worker.redis, store.lease_key(shard_id), worker.worker_id, ttl, delivery_tag)
-    if not lease.acquire():
-        # A live worker runs this shard. Acking this copy could drop the only message left
-        # for the shard (a redelivered message shares its ack with the running one), so a
-        # fresh copy is queued for later: it finds the part committed, or the lease expired.
-        raise task.retry(countdown=ttl / 2, max_retries=None)
     try:
+        if store.is_cancelled():
+            store.set_shard_state(shard_id, "cancelled")
+            return "cancelled"
+        ttl = worker.queue.visibility_timeout
+        delivery_tag = (task.request.properties or {}).get("delivery_tag")
+        lease = ShardLease(worker.redis, store.lease_key(shard_id), worker.worker_id, ttl, delivery_tag)
+        if not lease.acquire():
+            # A live worker runs this shard. Acking this copy could drop the only message left
+            # for the shard (a redelivered message shares its ack with the running one), so a
+            # fresh copy is queued for later: it finds the part committed, or the lease expired.
+            raise task.retry(countdown=ttl / 2, max_retries=None)
         with lease:
             if committed() != retry_errors:
                 return "already committed" if committed() else "no part to retry"
@@ -85,11 +84,19 @@ def _stopped_early(exc: BaseException) -> bool:
     shutdown (SIGQUIT, a second Ctrl+C): Celery's solo pool cannot kill the task it runs,
     so it raises NotImplementedError inside it, after flagging `should_terminate`. Caught
     as a failure, the message would be acked and the shard lost.
+
+    And a broker outage: Redis restarting (or still loading its append-only file), or out
+    of reach, while the shard reads or writes its keys (the cancel flag, the lease, the
+    attempt counter, the crash ledger: most of them as the shard starts, just after a
+    delivery). As a failure, the message would be acked once Redis is back and the shard
+    would never run: the job waits for it forever.
     """
+    import redis
     from celery.worker import state as worker_state
 
     cold_shutdown = isinstance(exc, NotImplementedError) and worker_state.should_terminate is not None
-    return isinstance(exc, ShardStopped) or cold_shutdown
+    broker_away = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+    return isinstance(exc, ShardStopped) or cold_shutdown or broker_away
 
 
 def _run_leased(
