@@ -164,6 +164,7 @@ def test_bench_engine_profiles_a_full_prefill_step_and_decode_steps(tmp_path):
                                    "--decode-steps", "2")
     prefill = report["prefill_profile"]
     assert prefill["prompts"] == 2 and prefill["tokens"] == 576 and prefill["ms"] > 0
+    assert prefill["encoder_cache_hits"] == 2  # the step ran the language model alone: both images came from the cache
     assert prefill["kernels"] and all(k["ms"] > 0 and k["calls"] >= 1 for k in prefill["kernels"])
     assert any("linear" in k["kernel"] or "mm" in k["kernel"] for k in prefill["kernels"])  # the decoder's GEMMs are in it
     assert report["decode_kernels"]["tiny-b2"] and report["vision_profile"]["images"] > 0

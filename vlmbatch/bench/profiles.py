@@ -70,7 +70,7 @@ def profile_prefill(engine, top: int = 14) -> dict[str, Any]:
     prompt_tokens = build_workload("w1", engine.adapter, 1, seed=30_000).prompt_tokens
     count = max(1, min(engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens // prompt_tokens))
     prompts = adapt.engine_prompts(build_workload("w1", engine.adapter, 2 * count, seed=30_000), engine.adapter, engine.runner.dtype)
-    adapt.encode_images(engine, prompts)
+    adapt.encode_images(engine, prompts[count:])  # the timed step's media, so that step finds them cached
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def one_step(batch: list, tag: str) -> float:
@@ -87,7 +87,9 @@ def profile_prefill(engine, top: int = 14) -> dict[str, Any]:
 
     one_step(prompts[:count], "warm")
     on_gpu = engine.device.type == "cuda"
+    hits = engine.model.num_encoder_cache_hits
     with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         seconds = one_step(prompts[count:], "timed")
     return {"prompts": count, "tokens": count * prompt_tokens, "ms": 1000 * seconds,
+            "encoder_cache_hits": engine.model.num_encoder_cache_hits - hits,
             "kernels": [{"kernel": name, "ms": us / 1000, "calls": calls} for name, us, calls in _costliest(prof, engine.device, top)]}
