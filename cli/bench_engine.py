@@ -56,6 +56,8 @@ def bench_engine(
                                      "blocks, 1x128 activation groups): our engine quantizes the language model online, vLLM runs a dummy "
                                      "checkpoint of the same published format, and the logits are checked against fp32 transformers on the "
                                      "round-tripped weights."),
+    quantize_vision: bool = typer.Option(False, "--quantize-vision", help="With --quantization: our vision tower's linear layers in "
+                                         "FP8 too (per channel); vLLM's checkpoint keeps its tower in bf16, as published ones do."),
     load_format: str = typer.Option("auto", "--load-format", help="dummy: our engine builds its random weights on the GPU in "
                                     "their final dtype (FP8 directly, no bf16 copy: qwen2_5_vl_72b on one H200); no generate() peer; "
                                     "logits checked only with --reference-layers."),
@@ -82,6 +84,8 @@ def bench_engine(
         raise typer.BadParameter(str(exc), param_hint="--structured / --json-schema") from None
     if quantization not in ("none", "fp8", "fp8-block"):
         raise typer.BadParameter("choose none, fp8 or fp8-block", param_hint="--quantization")
+    if quantize_vision and quantization == "none":
+        raise typer.BadParameter("needs --quantization fp8 or fp8-block", param_hint="--quantize-vision")
     options = BenchOptions(
         model_shape=model_shape, model=model, requests=requests, peers=peers, peer_requests_w1=peer_requests_w1,
         peer_requests_w2=peer_requests_w2, peer_batches=int_list(peer_batches, "--peer-batches"),
@@ -95,7 +99,7 @@ def bench_engine(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode, quantization=quantization,
-        load_format=load_format, kv_cache_dtype=kv_cache_dtype,
+        quantize_vision=quantize_vision, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
         structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"), grammar_fill_threads=grammar_fill_threads,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)

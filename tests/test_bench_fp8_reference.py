@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmbatch.bench.fp8 import round_trip_language_model, simulate_fp8_activations
+from vlmbatch.bench.fp8 import round_trip_fp8_layers, simulate_fp8_activations
 from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.kernels.reference import fp8_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 
@@ -18,7 +18,7 @@ def test_a_simulated_projection_computes_the_fp8_kernels_function(tiny_model_dir
     of the quantized input and weight, and not the unrounded product."""
     hf_model = load_hf_model(str(tiny_model_dir("qwen2_5_vl")), torch.float32, torch.device("cpu"))
     weight = hf_model.model.language_model.layers[0].mlp.down_proj.weight.detach().clone()
-    assert round_trip_language_model(hf_model, quantization) > 0
+    assert round_trip_fp8_layers(hf_model, quantization) > 0
     assert simulate_fp8_activations(hf_model, quantization) is True
     projection = hf_model.model.language_model.layers[0].mlp.down_proj
     x = torch.randn(5, projection.in_features, generator=torch.Generator().manual_seed(3))
@@ -35,5 +35,28 @@ def test_a_simulated_projection_computes_the_fp8_kernels_function(tiny_model_dir
 def test_moe_experts_are_reported_as_not_simulated(tiny_model_dir):
     """The experts' inner activation is out of a hook's reach: the bench keeps the FP8 floor."""
     hf_model = load_hf_model(str(tiny_model_dir("qwen3_vl_moe")), torch.float32, torch.device("cpu"))
-    round_trip_language_model(hf_model, "fp8-block")
+    round_trip_fp8_layers(hf_model, "fp8-block")
     assert simulate_fp8_activations(hf_model, "fp8-block") is False
+
+
+def test_with_vision_the_tower_is_rounded_per_channel_and_without_it_untouched(tiny_model_dir):
+    """`--quantize-vision`: the tower's linear layers compute per-channel w8a8 (what online
+    vision quantization runs) even under fp8-block, whose decoder stays block-wise; without
+    the flag the tower keeps its weights."""
+    plain = load_hf_model(str(tiny_model_dir("qwen2_5_vl")), torch.float32, torch.device("cpu"))
+    tower_weight = plain.model.visual.blocks[0].mlp.down_proj.weight.detach().clone()
+    round_trip_fp8_layers(plain, "fp8-block")
+    torch.testing.assert_close(plain.model.visual.blocks[0].mlp.down_proj.weight, tower_weight, rtol=0, atol=0)
+
+    hf_model = load_hf_model(str(tiny_model_dir("qwen2_5_vl")), torch.float32, torch.device("cpu"))
+    without = round_trip_fp8_layers(load_hf_model(str(tiny_model_dir("qwen2_5_vl")), torch.float32, torch.device("cpu")), "fp8-block")
+    assert round_trip_fp8_layers(hf_model, "fp8-block", vision=True) > without
+    assert simulate_fp8_activations(hf_model, "fp8-block", vision=True) is True
+    projection = hf_model.model.visual.blocks[0].mlp.down_proj
+    x = torch.randn(7, projection.in_features, generator=torch.Generator().manual_seed(5))
+    w_q, w_s = quantize_fp8_ref(tower_weight, None)
+    x_q, x_s = quantize_fp8_ref(x, None)
+    expected = fp8_gemm_ref(x_q, x_s, w_q, w_s, projection.bias)
+    with torch.no_grad():
+        got = projection(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -33,7 +33,7 @@ from vlmbatch.bench.peers.hf import run_hf_peer
 from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_prefill, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
-from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_language_model, simulate_fp8_activations, vllm_model_folder
+from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_fp8_layers, simulate_fp8_activations, vllm_model_folder
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
 from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, use_full_size_vocab, warm_compile
 from vlmbatch.bench.timing import RunResult, run_engine
@@ -78,6 +78,7 @@ class BenchOptions:
     # fp8 / fp8-block: online FP8 on our engine, per channel or in 128x128 blocks (the logit
     # reference holds the round-tripped weights; vLLM gets the same format as a dummy checkpoint)
     quantization: str = "none"
+    quantize_vision: bool = False  # with quantization: the vision tower's linear layers too (ours; the reference rounds them alike)
     # dummy: our engine builds random weights itself, FP8 directly in fp8 (the 72B shapes on one
     # GPU); no generate() peer, logits only with --reference-layers (a cut bf16 model)
     load_format: str = "auto"
@@ -185,7 +186,7 @@ def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device
         max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
         attention_backend=options.attention_backend, async_decode=options.async_decode, quantization=options.quantization,
-        load_format=load_format or options.load_format, kv_cache_dtype=options.kv_cache_dtype,
+        quantize_vision=options.quantize_vision, load_format=load_format or options.load_format, kv_cache_dtype=options.kv_cache_dtype,
         grammar_fill_threads=options.grammar_fill_threads,
     )
 
@@ -233,8 +234,8 @@ def _fp8_reference(hf_model: torch.nn.Module, options: BenchOptions, device: tor
     dequantized weights on unrounded inputs, so the reference rounds none either."""
     exact = options.kv_cache_dtype != "fp8"
     if options.quantization != "none":
-        round_trip_language_model(hf_model, options.quantization)
-        exact = exact and device.type == "cuda" and simulate_fp8_activations(hf_model, options.quantization)
+        round_trip_fp8_layers(hf_model, options.quantization, options.quantize_vision)
+        exact = exact and device.type == "cuda" and simulate_fp8_activations(hf_model, options.quantization, options.quantize_vision)
     return None if exact else FP8_MIN_BOUND
 
 

@@ -46,55 +46,70 @@ FP8_SWEEP_ROWS = (1, 16, 64)  # rows with the whole sweep; the others time bf16,
 FP8_MIN_BOUND = 0.15
 
 
-def _fp8_modules(hf_model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+def _fp8_modules(hf_model: torch.nn.Module, vision: bool = False) -> Iterator[tuple[str, torch.nn.Module]]:
     """("linear", module) for each decoder projection of `hf_model`'s language model and
-    ("experts", module) for each MoE expert set: what our engine runs in FP8."""
-    for name, module in hf_model.model.language_model.named_modules():
+    ("experts", module) for each MoE expert set: what our engine runs in FP8; with `vision`
+    also every other linear layer of `hf_model.model` (the tower and projector) but patch
+    embeddings, as `quantize_vision` converts them (`engine.fp8_loading.quantize_linears`)."""
+    language_model = hf_model.model.language_model
+    for name, module in language_model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
             yield "linear", module
         elif name.endswith("mlp.experts"):
             yield "experts", module
+    if vision:
+        in_language_model = {id(m) for m in language_model.modules()}
+        for name, module in hf_model.model.named_modules():
+            if (isinstance(module, torch.nn.Linear) and id(module) not in in_language_model
+                    and "patch_embed" not in name.rsplit(".", 1)[-1]):
+                yield "linear", module
 
 
 @torch.no_grad()
-def round_trip_language_model(hf_model: torch.nn.Module, quantization: str) -> int:
-    """Replace the decoder projections of `hf_model`'s language model by their fp8 round
-    trip in the layout `quantization` names (`fp8`: per channel, `fp8-block`: 128x128),
-    what our engine then runs, in place; returns how many."""
-    def round_trip(w: torch.Tensor) -> torch.Tensor:
-        q, s = quantize_fp8_blocks_ref(w.float()) if quantization == "fp8-block" else quantize_fp8_ref(w.float(), None)
+def round_trip_fp8_layers(hf_model: torch.nn.Module, quantization: str, vision: bool = False) -> int:
+    """Replace the layers our engine runs in FP8 (`_fp8_modules`) by their fp8 round trip in
+    the layout `quantization` names (`fp8`: per channel, `fp8-block`: 128x128), what our
+    engine then runs, in place; returns how many. Online vision quantization is always per
+    channel."""
+    def round_trip(w: torch.Tensor, blocks: bool) -> torch.Tensor:
+        q, s = quantize_fp8_blocks_ref(w.float()) if blocks else quantize_fp8_ref(w.float(), None)
         return dequantize_fp8_ref(q, s).to(w.dtype)
 
     count = 0
-    for kind, module in _fp8_modules(hf_model):
+    language_ids = {id(m) for _, m in _fp8_modules(hf_model)}
+    for kind, module in _fp8_modules(hf_model, vision):
+        blocks = quantization == "fp8-block" and id(module) in language_ids
         if kind == "linear":
-            module.weight.copy_(round_trip(module.weight))
+            module.weight.copy_(round_trip(module.weight, blocks))
         else:  # [E, 2I, H] gate rows first, [E, H, I]: each expert's gate, up, down alone
             for gate_up, down in zip(module.gate_up_proj, module.down_proj):
                 half = gate_up.shape[0] // 2
-                gate_up.copy_(torch.cat([round_trip(gate_up[:half]), round_trip(gate_up[half:])]))
-                down.copy_(round_trip(down))
+                gate_up.copy_(torch.cat([round_trip(gate_up[:half], blocks), round_trip(gate_up[half:], blocks)]))
+                down.copy_(round_trip(down, blocks))
         count += 1
     return count
 
 
-def simulate_fp8_activations(hf_model: torch.nn.Module, quantization: str) -> bool:
-    """Round the input of every decoder projection of `hf_model`'s language model to e4m3
-    as our FP8 layers do on the GPU (per token, or in 1x128 groups for `fp8-block`), in the
-    model's own precision, by forward pre-hooks: with `round_trip_language_model` the
+def simulate_fp8_activations(hf_model: torch.nn.Module, quantization: str, vision: bool = False) -> bool:
+    """Round the input of every FP8 layer of `hf_model` (`_fp8_modules`) to e4m3 as our FP8
+    layers do on the GPU (per token, or in 1x128 groups for `fp8-block` decoder layers), in
+    the model's own precision, by forward pre-hooks: with `round_trip_fp8_layers` the
     reference then computes our engine's w8a8 function. True when that covers every FP8
     layer; False when MoE experts (whose inner activation no hook reaches) are present."""
-    group = 128 if quantization == "fp8-block" else None
+    language_ids = {id(m) for _, m in _fp8_modules(hf_model)}
 
-    def rounded(module: torch.nn.Module, args: tuple) -> tuple:
-        x = args[0]
-        q, scales = quantize_fp8_ref(x.reshape(-1, x.shape[-1]), group)
-        return (dequantize_fp8_ref(q, scales).view(x.shape).to(x.dtype), *args[1:])
+    def rounded(group: int | None) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            q, scales = quantize_fp8_ref(x.reshape(-1, x.shape[-1]), group)
+            return (dequantize_fp8_ref(q, scales).view(x.shape).to(x.dtype), *args[1:])
+        return hook
 
     complete = True
-    for kind, module in _fp8_modules(hf_model):
+    for kind, module in _fp8_modules(hf_model, vision):
         if kind == "linear":
-            module.register_forward_pre_hook(rounded)
+            blocks = quantization == "fp8-block" and id(module) in language_ids
+            module.register_forward_pre_hook(rounded(128 if blocks else None))
         else:
             complete = False
     return complete
