@@ -436,6 +436,11 @@ def scaled_mm_blocks(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     rowwise FP8 1.1-1.5x faster (benchmarks/2026-12-02/s8-fp8-kernels.log). `torch` takes
     the activation scales [M, K/128] outer-dim-major (column-major) and the weight's
     [N/128, K/128] row-major as the transpose of B's; `vlmbatch bench kernels --sections
-    fp8` times it ("fp8 block cublas") before the engine uses it."""
+    fp8` times it ("fp8 block cublas") before the engine uses it. Refused where K/128 is not
+    a multiple of 4: there the H200's cuBLAS returned a wrong product instead of an error
+    (the 3B down, K = 11008, at 2,048 rows; BENCHMARKS.md session 10)."""
+    groups = a_q.shape[-1] // 128
+    if groups % 4:
+        raise RuntimeError(f"block-scaled cuBLAS FP8 product not taken for K = {a_q.shape[-1]}: K/128 = {groups} is not a multiple of 4")
     out = torch._scaled_mm(a_q, w_q.t(), scale_a=a_s.t().contiguous().t(), scale_b=w_s.t(), out_dtype=out_dtype)
     return out if bias is None else out.add_(bias)

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Set-up on the lent GPU machine (no network there): install this tree, the wheels carried in
 # .whl/ (transformers 5.24, to match the CPU machines) into /tmp/site, and vLLM 0.26 from the
-# parts earlier calls copied to /tmp/vparts/ (../shared/FACTS.md) into /tmp/site-vllm.
+# parts earlier calls copied to /tmp/vparts/ (../shared/FACTS.md) into /tmp/site-vllm. With this tree
+# (~5 MB) a 60 MiB part no longer fits a call's 64 MiB: re-split the wheel with
+# `split -b 45M -d -a 1 WHEEL part` (seven parts, carried one a call; session 10).
 # Usage there: source scripts/device-setup.sh   (then `vlmbatch bench ...`; see BENCHMARKS.md)
 # Beyond ../shared/tools/vllm-peer-wheels.txt, vLLM's structured outputs and FP8 checkpoints import
 # lm-format-enforcer 0.11.3, interegular 0.3.3, pyyaml, outlines_core 0.2.14, compressed-tensors 0.17.0
-# and loguru: download those (cp312 manylinux) into .vllm/small too.
+# and loguru; its LLaVA-NeXT/OneVision models import mistral_common (>= 1.11.5, with pydantic-extra-types,
+# tiktoken, regex and jsonschema with its four dependencies: the inspection failed without it, session 10):
+# download those (cp312 manylinux) into .vllm/small too.
 set -e
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,7 +19,7 @@ fi
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
 if [ -d /tmp/vparts ] && [ -d .vllm/small ] && [ ! -d /tmp/site-vllm/vllm ]; then
   wheel=/tmp/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
-  cat /tmp/vparts/part0 /tmp/vparts/part1 /tmp/vparts/part2 /tmp/vparts/part3 /tmp/vparts/part4 > "$wheel"
+  cat $(ls /tmp/vparts/part* | sort -V) > "$wheel"
   echo "$(cut -d' ' -f1 .vllm/vllm.sha256)  $wheel" | sha256sum -c --quiet
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-vllm .vllm/small/*.whl "$wheel"
 fi

@@ -243,9 +243,10 @@ def test_scaled_mm_and_the_triton_gemm_agree_in_bf16_on_3b_shapes(rows):
 @pytest.mark.parametrize("n, k", [(2560, 2048), (22016, 2048), (2048, 11008), (3584, 18944)], ids=["3b qkv", "3b gate_up", "3b down", "7b down"])
 def test_cublas_block_scaled_product_is_the_block_product_where_cublas_takes_it(rows, n, k):
     """`scaled_mm_blocks` (cuBLAS with 1x128 x 128x128 scales) computes the Triton block GEMM's
-    function, odd row counts included; where cuBLAS refuses a shape (the scales' strides:
-    K/128 = 86 for the 3B down) it raises instead of returning a wrong product, and the
-    failure names the shape, so `bench kernels --sections fp8` can record what it takes."""
+    function where cuBLAS takes the shape; where it refuses one (129 rows on the H200) or
+    would compute it wrongly (K/128 = 86 for the 3B down, session 10) it raises instead of
+    returning a wrong product, and the failure names the shape, so `bench kernels --sections
+    fp8` can record what it takes."""
     from vlmbatch.kernels.fp8 import scaled_mm_blocks
 
     w_q, w_s = quantize_fp8_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
@@ -545,3 +546,14 @@ def test_kernel_dummy_decoder_is_built_directly_in_fp8():
     assert not any(t.is_meta for t in [*decoder.parameters(), *decoder.buffers()])
     x = torch.randn(3, 128, device=DEVICE)
     assert attention.qkv_proj(x).shape == (3, 256) and moe(x).isfinite().all()
+
+
+def test_the_block_scaled_cublas_product_refuses_k_groups_cublas_got_wrong():
+    """K/128 = 86 (the 3B down): the H200's cuBLAS returned a wrong product there, so the
+    wrapper refuses before calling it, on any device, naming K."""
+    from vlmbatch.kernels.fp8 import scaled_mm_blocks
+
+    a_q, a_s = quantize_fp8_ref(torch.randn(4, 11008), 128)
+    w_q, w_s = quantize_fp8_blocks_ref(torch.randn(256, 11008))
+    with pytest.raises(RuntimeError, match="K = 11008: K/128 = 86"):
+        scaled_mm_blocks(a_q, a_s, w_q, w_s)
