@@ -411,7 +411,7 @@ def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapte
                env: dict[str, str], report: dict[str, Any], record: Callable[[RunResult], None], echo: Callable[[str], None]) -> None:
     """vLLM on the same workloads in a child process (`bench.peers.vllm`); skipped, with the
     reason, where it cannot run. A run whose requests differ from ours is an error."""
-    missing = vllm_missing(device.type, list(options.vllm_pythonpath))
+    missing = vllm_missing(device.type, list(options.vllm_pythonpath), adapter.family.name)
     if missing:
         report["peers"]["vllm"] = {"status": "skipped", "reason": missing}
         echo(f"vllm: skipped ({missing})")

@@ -59,12 +59,23 @@ CHILD_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO
 VLLM_SITE = Path(__file__).with_name("vllm_site")  # sitecustomize.py for the child's processes
 
 
-def vllm_missing(device_type: str, pythonpath: list[str]) -> str | None:
-    """Why the vLLM peer cannot run here (no CUDA, or no `vllm` on the path), or None."""
+# Modules vLLM 0.26's model of a family imports beyond what `import vllm` needs: its llava
+# module imports pixtral's, which needs mistral_common (the H200 run failed at model
+# inspection without it, after loading, BENCHMARKS.md session 10).
+FAMILY_MODULES = {"llava_next": ("mistral_common",), "llava_onevision": ("mistral_common",)}
+
+
+def vllm_missing(device_type: str, pythonpath: list[str], family: str = "") -> str | None:
+    """Why the vLLM peer cannot run here (no CUDA, no `vllm` on the path, or a module its
+    model of `family` imports), or None: said before the child starts, not minutes later."""
     if device_type != "cuda":
         return "vLLM runs on CUDA GPUs only"
-    if PathFinder.find_spec("vllm", [*pythonpath, *sys.path]) is None:
+    path = [*pythonpath, *sys.path]
+    if PathFinder.find_spec("vllm", path) is None:
         return "vllm is not importable (install it, or pass its folder with --vllm-pythonpath)"
+    absent = [name for name in FAMILY_MODULES.get(family, ()) if PathFinder.find_spec(name, path) is None]
+    if absent:
+        return f"vLLM's {family} model imports {', '.join(absent)}, which is not on its path"
     return None
 
 
