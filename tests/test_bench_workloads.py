@@ -79,20 +79,20 @@ def test_vllm_peer_is_skipped_with_the_reason_where_it_cannot_run(adapter, tmp_p
     assert result["skipped"].startswith("import vllm failed: ModuleNotFoundError")
 
 
-
 def test_a_family_whose_vllm_model_needs_a_missing_module_is_skipped_before_the_child(tmp_path):
     """With a `vllm` package on the path but no mistral_common, LLaVA-NeXT's peer is refused
     up front, naming the module; Qwen's is not, and mistral_common's presence clears it."""
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text("")
     if importlib.util.find_spec("mistral_common") is not None:
         pytest.skip("mistral_common is installed here")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
     assert vllm_missing("cuda", [str(tmp_path)], "llava_next") == (
-        "vLLM's llava_next model imports mistral_common, which is not on its path")
+        "vLLM's llava_next model imports modules not on its path: mistral_common")
     assert vllm_missing("cuda", [str(tmp_path)], "qwen2_5_vl") is None
     (tmp_path / "mistral_common").mkdir()
     (tmp_path / "mistral_common" / "__init__.py").write_text("")
     assert vllm_missing("cuda", [str(tmp_path)], "llava_onevision") is None
+
 
 def test_gemma3_workload_vllm_prompts_and_teacher_forced_inputs(tmp_path):
     """On the gemma3_12b folder: exact 288-token W1 prompts around 256 image tokens; vLLM

@@ -65,12 +65,12 @@ def test_a_shape_whose_family_is_missing_is_refused_by_name(monkeypatch):
     assert result.exit_code == 2 and "future_vl: family not available" in result.output
 
 
-
 def test_quantize_vision_without_a_quantization_is_refused():
     from vlmbatch.cli.commands import app
 
     result = CliRunner().invoke(app, ["bench", "engine", "--model-shape", "3b", "--device", "cpu", "--quantize-vision"])
     assert result.exit_code == 2 and "needs --quantization fp8 or fp8-block" in result.output
+
 
 def test_summary_puts_both_peers_beside_ours_with_the_ratios():
     runs = [RunResult("hf-generate-b128", "w1", 1024, 1024 / 21.6, 1024 * 128, extra={"batch_size": 128}),

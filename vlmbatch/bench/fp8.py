@@ -49,8 +49,9 @@ FP8_MIN_BOUND = 0.15
 def _fp8_modules(hf_model: torch.nn.Module, vision: bool = False) -> Iterator[tuple[str, torch.nn.Module]]:
     """("linear", module) for each decoder projection of `hf_model`'s language model and
     ("experts", module) for each MoE expert set: what our engine runs in FP8; with `vision`
-    also every other linear layer of `hf_model.model` (the tower and projector) but patch
-    embeddings, as `quantize_vision` converts them (`engine.fp8_loading.quantize_linears`)."""
+    also ("vision", module) for every other linear layer of `hf_model.model` (the tower and
+    projector) but patch embeddings, as `quantize_vision` converts them
+    (`engine.fp8_loading.quantize_linears`: always per channel)."""
     language_model = hf_model.model.language_model
     for name, module in language_model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
@@ -62,30 +63,29 @@ def _fp8_modules(hf_model: torch.nn.Module, vision: bool = False) -> Iterator[tu
         for name, module in hf_model.model.named_modules():
             if (isinstance(module, torch.nn.Linear) and id(module) not in in_language_model
                     and "patch_embed" not in name.rsplit(".", 1)[-1]):
-                yield "linear", module
+                yield "vision", module
 
 
 @torch.no_grad()
 def round_trip_fp8_layers(hf_model: torch.nn.Module, quantization: str, vision: bool = False) -> int:
     """Replace the layers our engine runs in FP8 (`_fp8_modules`) by their fp8 round trip in
-    the layout `quantization` names (`fp8`: per channel, `fp8-block`: 128x128), what our
-    engine then runs, in place; returns how many. Online vision quantization is always per
-    channel."""
+    the layout `quantization` names for the decoder (`fp8`: per channel, `fp8-block`:
+    128x128; the tower's always per channel), what our engine then runs, in place; returns
+    how many."""
     def round_trip(w: torch.Tensor, blocks: bool) -> torch.Tensor:
         q, s = quantize_fp8_blocks_ref(w.float()) if blocks else quantize_fp8_ref(w.float(), None)
         return dequantize_fp8_ref(q, s).to(w.dtype)
 
     count = 0
-    language_ids = {id(m) for _, m in _fp8_modules(hf_model)}
     for kind, module in _fp8_modules(hf_model, vision):
-        blocks = quantization == "fp8-block" and id(module) in language_ids
-        if kind == "linear":
-            module.weight.copy_(round_trip(module.weight, blocks))
-        else:  # [E, 2I, H] gate rows first, [E, H, I]: each expert's gate, up, down alone
+        blocks = quantization == "fp8-block" and kind != "vision"
+        if kind == "experts":  # [E, 2I, H] gate rows first, [E, H, I]: each expert's gate, up, down alone
             for gate_up, down in zip(module.gate_up_proj, module.down_proj):
                 half = gate_up.shape[0] // 2
                 gate_up.copy_(torch.cat([round_trip(gate_up[:half], blocks), round_trip(gate_up[half:], blocks)]))
                 down.copy_(round_trip(down, blocks))
+        else:
+            module.weight.copy_(round_trip(module.weight, blocks))
         count += 1
     return count
 
@@ -96,8 +96,6 @@ def simulate_fp8_activations(hf_model: torch.nn.Module, quantization: str, visio
     the model's own precision, by forward pre-hooks: with `round_trip_fp8_layers` the
     reference then computes our engine's w8a8 function. True when that covers every FP8
     layer; False when MoE experts (whose inner activation no hook reaches) are present."""
-    language_ids = {id(m) for _, m in _fp8_modules(hf_model)}
-
     def rounded(group: int | None) -> Callable:
         def hook(module: torch.nn.Module, args: tuple) -> tuple:
             x = args[0]
@@ -107,11 +105,10 @@ def simulate_fp8_activations(hf_model: torch.nn.Module, quantization: str, visio
 
     complete = True
     for kind, module in _fp8_modules(hf_model, vision):
-        if kind == "linear":
-            blocks = quantization == "fp8-block" and id(module) in language_ids
-            module.register_forward_pre_hook(rounded(128 if blocks else None))
-        else:
+        if kind == "experts":
             complete = False
+        else:
+            module.register_forward_pre_hook(rounded(128 if quantization == "fp8-block" and kind == "linear" else None))
     return complete
 
 

@@ -75,7 +75,7 @@ def vllm_missing(device_type: str, pythonpath: list[str], family: str = "") -> s
         return "vllm is not importable (install it, or pass its folder with --vllm-pythonpath)"
     absent = [name for name in FAMILY_MODULES.get(family, ()) if PathFinder.find_spec(name, path) is None]
     if absent:
-        return f"vLLM's {family} model imports {', '.join(absent)}, which is not on its path"
+        return f"vLLM's {family} model imports modules not on its path: {', '.join(absent)}"
     return None
 
 
