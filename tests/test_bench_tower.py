@@ -28,15 +28,15 @@ def test_bench_tower_times_both_towers_and_compares_them(tmp_path):
 
 
 def test_bench_tower_refuses_a_family_without_a_tower_of_ours():
-    result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny_internvl", "--device", "cpu"])
+    result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny_llava_next", "--device", "cpu"])
     assert result.exit_code == 2
-    assert "internvl family runs transformers' vision tower" in result.output and "qwen3_vl_8b" in result.output
+    assert "llava_next family runs transformers' vision tower" in result.output and "qwen3_vl_8b" in result.output
 
 
 @pytest.mark.parametrize("shape, family", [("tiny_gemma3", "gemma3"), ("tiny_llava_onevision", "llava_onevision"),
-                                           ("tiny_smolvlm", "smolvlm")])
+                                           ("tiny_smolvlm", "smolvlm"), ("tiny_internvl", "internvl")])
 def test_bench_tower_runs_the_siglip_families(tmp_path, shape, family):
-    """Our SigLIP tower against transformers' on every tile of the W1 images (CPU, fp32)."""
+    """Our SigLIP tower (and its InternViT variant) against transformers' on every tile of the W1 images (CPU, fp32)."""
     out = tmp_path / "tower.json"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,5 +1,6 @@
 """Our SigLIP tower (`engine/layers/siglip.py`) gives transformers' tower features on the same
-weights, for each family it is hooked into (Gemma 3, LLaVA-OneVision, Idefics3, SmolVLM)."""
+weights, for each family it is hooked into (Gemma 3, LLaVA-OneVision, Idefics3, SmolVLM), and
+so does its InternViT variant (`engine/layers/internvit.py`: CLS token, layer scales folded)."""
 
 import copy
 
@@ -7,12 +8,13 @@ import pytest
 import torch
 
 from vlmbatch.config import EngineConfig
-from vlmbatch.engine.layers.siglip import SiglipVisionTower, transformers_hidden
+from vlmbatch.engine.layers.siglip import SiglipVisionTower, square_size, transformers_hidden
 from vlmbatch.engine.loading import load_hf_model
 from vlmbatch.families.registry import FAMILIES
 from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_ref
 
-ARCHS = ("gemma3", "llava_onevision", "idefics3", "smolvlm")
+ARCHS = ("gemma3", "llava_onevision", "idefics3", "smolvlm", "internvl")
+CLS_TOKEN = {"internvl": 1}  # rows before the patches in the tower's output
 IMAGES = 5
 
 
@@ -36,7 +38,7 @@ def model(request, tiny_model_dir):
 
 
 def _pixels(config, images=IMAGES, seed=0):
-    side = config.image_size
+    side = square_size(config.image_size)
     return torch.randn(images, config.num_channels, side, side, generator=torch.Generator().manual_seed(seed))
 
 
@@ -55,8 +57,8 @@ def test_tower_matches_transformers(model):
     for batch in (pixels, pixels[:1], pixels[1:3]):
         expected = family.transformers_hidden(hf, batch)
         ours = tower(batch)
-        assert ours.shape == expected.shape == (len(batch), (vision.config.image_size // vision.config.patch_size) ** 2,
-                                                vision.config.hidden_size)
+        patches = (square_size(vision.config.image_size) // square_size(vision.config.patch_size)) ** 2
+        assert ours.shape == expected.shape == (len(batch), CLS_TOKEN.get(arch, 0) + patches, vision.config.hidden_size)
         assert _relative_error(ours, expected) <= 1e-5
     # images do not attend to each other: one alone gives its rows of the batch
     torch.testing.assert_close(tower(pixels[2:3]), tower(pixels)[2:3], rtol=1e-5, atol=1e-5)
@@ -86,12 +88,13 @@ def test_a_grid_other_than_the_position_grid_is_refused(model):
     arch, hf = model
     family = _engine_model(arch)
     vision = getattr(hf.model, family.siglip_attr)
-    if type(vision).__name__ != "SiglipVisionModel":
+    if type(vision).__name__ not in ("SiglipVisionModel", "InternVLVisionModel"):
         pytest.skip("bucketed position ids take any grid")
     tower = family.siglip_from_hf(hf, torch.device("cpu"), torch.float32)
     config = vision.config
+    side = square_size(config.image_size)
     with pytest.raises(ValueError, match="interpolation"):
-        tower(torch.zeros(1, config.num_channels, config.image_size, 2 * config.image_size))
+        tower(torch.zeros(1, config.num_channels, side, 2 * side))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

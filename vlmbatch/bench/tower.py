@@ -14,15 +14,16 @@ the merged features, then each DeepStack level), which should be bf16 rounding. 
 adds one profiled call of each: its top kernels by device time (what shows whether the
 copies around attention are gone).
 
-The SigLIP families (Gemma 3, LLaVA-OneVision, Idefics3/SmolVLM: `engine/layers/siglip.py`)
+The SigLIP families (Gemma 3, LLaVA-OneVision, Idefics3/SmolVLM: `engine/layers/siglip.py`;
+InternVL's InternViT, `engine/layers/internvit.py`, its variant with a CLS token)
 compare the tower's features as the family reads them (Gemma 3 and Idefics3: the
 post-layernormed last layer; LLaVA-OneVision: `vision_feature_layer`'s hidden states) over
 every tile of the batch's images (one 896 px crop an image on Gemma 3; OneVision's and
 SmolVLM's tilings give several), before the projector / connector, which stays
 `transformers`'.
 
-Only shapes whose family has a tower of ours run (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, and
-the SigLIP families); others are refused, naming those that do.
+Only shapes whose family has a tower of ours run (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, the
+SigLIP families and InternVL); others are refused, naming those that do.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The hookup of our SigLIP tower (`engine/layers/siglip.py`) in the families whose
-`transformers` tower it replaces exactly: Gemma 3, LLaVA-OneVision (`SiglipVisionModel`)
-and Idefics3 / SmolVLM (their copy of it, run on full tiles without a patch mask).
+`transformers` tower it replaces exactly: Gemma 3, LLaVA-OneVision (`SiglipVisionModel`),
+Idefics3 / SmolVLM (their copy of it, run on full tiles without a patch mask) and, as
+`tower_class` `InternVisionTower`, InternVL (`engine/layers/internvit.py`).
 
 `SiglipTower` goes before the family's base class: once the model is built it builds ours
 from the checkpoint's tower (`hf.model.<siglip_attr>`), drops `transformers`' one, and
-hands `vision_hidden(pixels)` to the family's encoding; a tower of another class (a
-LLaVA-OneVision checkpoint with a CLIP tower) keeps `transformers`' (`self.tower` None).
+hands `vision_hidden(pixels)` to the family's encoding; a tower `tower_class.rebuilds` refuses (a LLaVA-OneVision
+checkpoint with a CLIP tower, InternViT-6B) keeps `transformers`' (`self.tower` None).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmbatch.engine.layers.siglip import TOWERS, SiglipVisionTower, transformers_hidden
+from vlmbatch.engine.layers.siglip import SiglipVisionTower, transformers_hidden
 
 
 class SiglipTower:
@@ -39,9 +40,9 @@ class SiglipTower:
     def siglip_from_hf(cls, hf_model: nn.Module, device: torch.device, dtype: torch.dtype) -> SiglipVisionTower | None:
         """Ours from the model's tower, or None where it is not one we rebuild."""
         vision = getattr(hf_model.model, cls.siglip_attr)
-        if type(vision).__name__ not in TOWERS:
+        if not cls.tower_class.rebuilds(vision):
             return None
-        return SiglipVisionTower.from_hf(vision, device, dtype, cls.feature_layers(hf_model.config))
+        return cls.tower_class.from_hf(vision, device, dtype, cls.feature_layers(hf_model.config))
 
     @classmethod
     def transformers_hidden(cls, hf_model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

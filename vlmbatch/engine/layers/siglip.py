@@ -48,11 +48,16 @@ def bucketed_position_ids(rows: int, cols: int, side: int) -> torch.Tensor:
     return (buckets[0][:, None] * side + buckets[1][None, :]).flatten()
 
 
+def square_size(size: int | Sequence[int]) -> int:
+    """A config's image or patch size as one number (InternViT's are [height, width] pairs of one value)."""
+    return size if isinstance(size, int) else size[0]
+
+
 class SiglipEmbeddings(nn.Module):
     def __init__(self, config: Any, bucketed_positions: bool):
         super().__init__()
-        self.patch = config.patch_size
-        self.side = config.image_size // config.patch_size
+        self.patch = square_size(config.patch_size)
+        self.side = square_size(config.image_size) // self.patch
         self.bucketed = bucketed_positions
         self.patch_embedding = nn.Linear(config.num_channels * self.patch**2, config.hidden_size)  # the Conv2d has a bias
         self.position_embedding = nn.Embedding(self.side**2, config.hidden_size)
@@ -71,24 +76,28 @@ class SiglipEmbeddings(nn.Module):
             self._positions[key] = ids.to(self.position_embedding.weight.device)
         return self._positions[key]
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[B, C, H, W] -> [B, (H/P)*(W/P), hidden]: patches row by row, as the Conv2d's output flattened."""
+    def embed_patches(self, pixels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """[B, C, H, W] -> [B, (H/P)*(W/P), hidden] and the patch grid: patches row by row, as
+        the Conv2d's output flattened."""
         b, c, h, w = pixels.shape
         p = self.patch
         rows, cols = h // p, w // p
         patches = pixels[:, :, : rows * p, : cols * p].reshape(b, c, rows, p, cols, p).permute(0, 2, 4, 1, 3, 5)
-        x = self.patch_embedding(patches.reshape(b, rows * cols, c * p * p).to(self.patch_embedding.weight.dtype))
+        return self.patch_embedding(patches.reshape(b, rows * cols, c * p * p).to(self.patch_embedding.weight.dtype)), rows, cols
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x, rows, cols = self.embed_patches(pixels)
         return x + self.position_embedding(self.position_ids(rows, cols))
 
 
 class SiglipAttention(nn.Module):
     """Full attention over one image's patches; q/k/v one matmul, no copies around SDPA."""
 
-    def __init__(self, dim: int, num_heads: int):
+    def __init__(self, dim: int, num_heads: int, bias: bool = True):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +126,7 @@ class SiglipEncoderLayer(nn.Module):
         super().__init__()
         dim = config.hidden_size
         self.layer_norm1 = nn.LayerNorm(dim, eps=config.layer_norm_eps)
-        self.self_attn = SiglipAttention(dim, config.num_attention_heads)
+        self.self_attn = SiglipAttention(dim, config.num_attention_heads, bias=getattr(config, "attention_bias", True))
         self.layer_norm2 = nn.LayerNorm(dim, eps=config.layer_norm_eps)
         self.mlp = SiglipMLP(config)
 
@@ -150,14 +159,26 @@ class SiglipVisionTower(nn.Module):
     output, negatives from the end; several are concatenated on the last dim), for which
     only the layers up to the deepest are built and there is no post-layernorm."""
 
+    embeddings_class = SiglipEmbeddings
+
     def __init__(self, config: Any, feature_layers: Sequence[int] | None = None, bucketed_positions: bool = False):
         super().__init__()
         total = config.num_hidden_layers
         self.feature_layers = None if feature_layers is None else tuple(i % (total + 1) for i in feature_layers)
         layers = total if self.feature_layers is None else max(self.feature_layers)
-        self.embeddings = SiglipEmbeddings(config, bucketed_positions)
+        self.embeddings = self.embeddings_class(config, bucketed_positions)
         self.encoder = SiglipEncoder(config, layers)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if self.feature_layers is None else None
+        self.post_layernorm = self.final_norm(config) if self.feature_layers is None else None
+
+    @classmethod
+    def final_norm(cls, config: Any) -> nn.Module:
+        """What `last_hidden_state` passes through after the last layer."""
+        return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    @classmethod
+    def rebuilds(cls, vision: nn.Module) -> bool:
+        """Whether `transformers`' tower `vision` is one this class rebuilds exactly."""
+        return type(vision).__name__ in TOWERS
 
     @classmethod
     def from_hf(cls, vision: nn.Module, device: torch.device, dtype: torch.dtype,
