@@ -8,7 +8,8 @@
 # Beyond ../shared/tools/vllm-peer-wheels.txt, vLLM's structured outputs and FP8 checkpoints import
 # lm-format-enforcer 0.11.3, interegular 0.3.3, pyyaml, outlines_core 0.2.14, compressed-tensors 0.17.0
 # and loguru; its LLaVA-NeXT/OneVision models import mistral_common (>= 1.11.5, with pydantic-extra-types,
-# tiktoken, regex and jsonschema with its four dependencies: the inspection failed without it, session 10):
+# tiktoken, regex, jsonschema with its four dependencies, pycountry and sentencepiece: `import vllm` fails on
+# MistralCommonBackend without the last two, session 11):
 # download those (cp312 manylinux) into .vllm/small too.
 set -e
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
