@@ -10,6 +10,9 @@ processor's own, and a row's `mm_processor_kwargs` changes the tiling as it woul
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from engine_harness import (assert_greedy_matches_transformers, build_requests, hf_greedy, internvl_prompt, make_image,
@@ -59,6 +62,22 @@ def _assert_matches_transformers(internvl, count: int, seed: int, num_kv_blocks:
 
 def test_mixed_requests_match_transformers(internvl):
     _assert_matches_transformers(internvl, count=10, seed=7, num_kv_blocks=56)
+
+
+def test_a_tower_ours_does_not_rebuild_keeps_transformers_and_matches(tiny_model_dir, tmp_path):
+    """InternViT-6B's layout (RMSNorm, q/k norms over the whole width): our tower's `rebuilds`
+    refuses it, so the engine keeps `transformers`' tower, and its tokens still equal
+    transformers'. (The checkpoint lacks the norms' weights: both load them as initialised.)"""
+    path = shutil.copytree(tiny_model_dir("internvl"), tmp_path / "internvl-6b-layout")
+    config = json.loads((path / "config.json").read_text())
+    config["vision_config"].update(norm_type="rms_norm", use_qk_norm=True)
+    (path / "config.json").write_text(json.dumps(config))
+    adapter = load_adapter(str(path))
+    hf_model = load_hf_model(str(path), torch.float32, torch.device("cpu"))
+    engine = _engine(adapter, num_kv_blocks=56)
+    assert engine.model.tower is None and engine.model.hf.model.vision_tower is not None
+    requests = build_requests(adapter, "internvl", 4, seed=11, max_images=2, widths=ODD_WIDTHS, heights=ODD_HEIGHTS)
+    assert_greedy_matches_transformers(engine, adapter, hf_model, requests)
 
 
 @pytest.mark.slow
