@@ -11,6 +11,8 @@ def bench_kernels(
     json_out: Path = typer.Option(Path("bench-out/kernels.json"), "--json", help="Where to write the figures."),
     config_sweep: bool = typer.Option(True, help="Also sweep launch configs (block sizes, warps, stages)."),
     sections: str = typer.Option("prefill,decode,linear", help="What to time, comma-separated: prefill, decode, linear, fp8."),
+    write_table: bool = typer.Option(False, "--write-table", help="Write the prefill sweep's fastest launch per prompt length "
+                                     "into kernels/prefill_tuned.json, which the engine's prefill attention reads."),
 ) -> None:
     """Check every kernel in bf16/fp16, then time prefill and decode attention against SDPA, and the
     decode-step linear layers against cuBLAS, next to the GPU's ceilings."""
@@ -21,7 +23,8 @@ def bench_kernels(
         raise typer.Exit(2)
     from vlmbatch.bench.kernels import run_kernel_bench
 
-    report = run_kernel_bench(json_out, sweep_configs=config_sweep, echo=typer.echo, sections=tuple(sections.split(",")))
+    report = run_kernel_bench(json_out, sweep_configs=config_sweep, echo=typer.echo, sections=tuple(sections.split(",")),
+                              write_table=write_table)
     if not report.ok:
         raise typer.Exit(1)
 

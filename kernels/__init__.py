@@ -9,7 +9,7 @@ from . import fp8
 from .fp8 import Fp8GemmConfig, fp8_gemm, quantize_fp8
 from .fused_moe import GemmTile, MoeConfig, fused_moe
 from .kv_cache_write import store_kvcache
-from .prefill_attention import PrefillConfig, paged_prefill_attention
+from .prefill_attention import PrefillConfig, choose_prefill_config, paged_prefill_attention
 from .reference import (
     apply_rotary_ref,
     dequantize_fp8_ref,
@@ -38,6 +38,7 @@ __all__ = [
     "fused_gelu_tanh_and_mul",
     "fused_silu_and_mul",
     "choose_num_splits",
+    "choose_prefill_config",
     "dequantize_fp8_ref",
     "fp8",
     "fp8_gemm",

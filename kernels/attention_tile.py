@@ -19,6 +19,7 @@ LOG2_E = 1.4426950408889634
 def load_paged_tile(
     cache_head_ptr,
     block_table_row_ptr,
+    tile_start,
     offs_n,
     offs_d,
     kv_len,
@@ -26,16 +27,25 @@ def load_paged_tile(
     stride_slot,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
 ):
-    """Keys or values for token positions `offs_n` of one sequence and KV head, `[BLOCK_N, BLOCK_D]`.
+    """Keys or values for token positions `offs_n` (= tile_start + 0..BLOCK_N-1) of one
+    sequence and KV head, `[BLOCK_N, BLOCK_D]`.
 
     Each token finds its page through the block table, so a tile may straddle pages
     and the pages need not be contiguous; positions >= kv_len read nothing (zeros).
+    TILE_IN_PAGE (the caller's tiles start at multiples of BLOCK_N, and BLOCK_N divides
+    PAGE_SIZE): the tile lies in one page, found with one scalar load instead of one per
+    token, and its rows are consecutive slots.
     """
     in_context = offs_n < kv_len
-    page = tl.load(block_table_row_ptr + offs_n // PAGE_SIZE, mask=in_context, other=0).to(tl.int64)
-    slot = offs_n % PAGE_SIZE
-    ptrs = cache_head_ptr + page[:, None] * stride_block + slot[:, None] * stride_slot + offs_d[None, :]
+    if TILE_IN_PAGE:
+        page = tl.load(block_table_row_ptr + tile_start // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_block + (offs_n % PAGE_SIZE).to(tl.int64) * stride_slot
+    else:
+        page = tl.load(block_table_row_ptr + offs_n // PAGE_SIZE, mask=in_context, other=0).to(tl.int64)
+        rows = page * stride_block + (offs_n % PAGE_SIZE) * stride_slot
+    ptrs = cache_head_ptr + rows[:, None] + offs_d[None, :]
     return tl.load(ptrs, mask=in_context[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
 
@@ -48,6 +58,7 @@ def attend_paged_tile(
     k_head_ptr,
     v_head_ptr,
     block_table_row_ptr,
+    tile_start,
     offs_n,
     offs_d,
     kv_len,
@@ -60,15 +71,18 @@ def attend_paged_tile(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     APPLY_MASK: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr = False,
 ):
-    """Fold keys `offs_n` into the online-softmax state; returns the new (acc, m_i, l_i).
+    """Fold keys `offs_n` (= tile_start + 0..BLOCK_N-1) into the online-softmax state;
+    returns the new (acc, m_i, l_i).
 
     `score_mask` (broadcastable to `[rows, BLOCK_N]`) marks the allowed (row, key) pairs
     when APPLY_MASK. A row may see no key of a tile (a sliding window's lower edge): its
     running max then stays -inf and the tile adds nothing, instead of exp2(-inf - -inf).
     """
     k = load_paged_tile(
-        k_head_ptr, block_table_row_ptr, offs_n, offs_d, kv_len, stride_k_block, stride_k_slot, PAGE_SIZE, HEAD_DIM
+        k_head_ptr, block_table_row_ptr, tile_start, offs_n, offs_d, kv_len, stride_k_block, stride_k_slot, PAGE_SIZE, HEAD_DIM,
+        TILE_IN_PAGE,
     ).to(q.dtype)  # an FP8 cache is read back in the compute dtype (a no-op otherwise)
     scores = tl.dot(q, tl.trans(k)) * scale_log2
     if APPLY_MASK:
@@ -81,7 +95,8 @@ def attend_paged_tile(
     p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_paged_tile(
-        v_head_ptr, block_table_row_ptr, offs_n, offs_d, kv_len, stride_v_block, stride_v_slot, PAGE_SIZE, HEAD_DIM
+        v_head_ptr, block_table_row_ptr, tile_start, offs_n, offs_d, kv_len, stride_v_block, stride_v_slot, PAGE_SIZE, HEAD_DIM,
+        TILE_IN_PAGE,
     ).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i

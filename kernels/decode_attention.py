@@ -122,7 +122,7 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = attend_paged_tile(
-            q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, end,
+            q, acc, m_i, l_i, k_head, v_head, block_table_row, tile_start, offs_n, offs_d, end,
             ((offs_n < end) & (offs_n >= window_start))[None, :], scale_log2,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
             PAGE_SIZE, HEAD_DIM, True,

@@ -15,7 +15,9 @@ tile's largest end).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -32,6 +34,33 @@ class PrefillConfig:
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
+
+
+# Launch shapes by the step's longest query run, measured on the H200 by `vlmbatch bench
+# kernels --sections prefill --write-table`: {"measured": ..., "configs": {max_q_len: config}}.
+TUNED_TABLE_PATH = Path(__file__).with_name("prefill_tuned.json")
+
+
+def load_tuned_configs(path: Path = TUNED_TABLE_PATH) -> dict[int, PrefillConfig]:
+    """The table keyed by the swept query length (extra keys of an entry are notes)."""
+    if not path.exists():
+        return {}
+    fields = asdict(PrefillConfig()).keys()
+    configs = json.loads(path.read_text())["configs"]
+    return {int(length): PrefillConfig(**{name: entry[name] for name in fields}) for length, entry in configs.items()}
+
+
+TUNED_CONFIGS = load_tuned_configs()
+
+
+def choose_prefill_config(max_q_len: int, table: dict[int, PrefillConfig] | None = None) -> PrefillConfig:
+    """The tuned launch for the shortest swept length >= max_q_len (the longest beyond them);
+    the default launch when nothing was measured. Short prompts want small query tiles (less
+    masked work on the diagonal), long ones large tiles (more reuse of each key tile)."""
+    table = TUNED_CONFIGS if table is None else table
+    if not table:
+        return PrefillConfig()
+    return table[min((length for length in table if length >= max_q_len), default=max(table))]
 
 
 @triton.jit
@@ -65,8 +94,11 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     SLIDING: tl.constexpr,
     HAS_KEY_ENDS: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
 ):
-    query_tile = tl.program_id(0)
+    # The last query tiles see the most keys: launching them first keeps the GPU's final
+    # wave short on long prompts.
+    query_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
 
@@ -117,19 +149,19 @@ def _prefill_kernel(
             offs_n = tile_start + tl.arange(0, BLOCK_N)
             visible = (offs_n[None, :] >= window_start[:, None]) & (offs_n[None, :] < key_end[:, None]) & (offs_n[None, :] < context_len)
             acc, m_i, l_i = attend_paged_tile(
-                q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, context_len,
+                q, acc, m_i, l_i, k_head, v_head, block_table_row, tile_start, offs_n, offs_d, context_len,
                 visible, scale_log2,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                PAGE_SIZE, HEAD_DIM, True,
+                PAGE_SIZE, HEAD_DIM, True, TILE_IN_PAGE,
             )  # fmt: skip
     middle_start = edge_end if SLIDING else 0
     for tile_start in range(middle_start, unmasked_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = attend_paged_tile(
-            q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, context_len,
+            q, acc, m_i, l_i, k_head, v_head, block_table_row, tile_start, offs_n, offs_d, context_len,
             None, scale_log2,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-            PAGE_SIZE, HEAD_DIM, False,
+            PAGE_SIZE, HEAD_DIM, False, TILE_IN_PAGE,
         )  # fmt: skip
     for tile_start in range(tl.maximum(middle_start, unmasked_end), tiles_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -137,10 +169,10 @@ def _prefill_kernel(
         if SLIDING:
             visible = visible & (offs_n[None, :] >= window_start[:, None])
         acc, m_i, l_i = attend_paged_tile(
-            q, acc, m_i, l_i, k_head, v_head, block_table_row, offs_n, offs_d, context_len,
+            q, acc, m_i, l_i, k_head, v_head, block_table_row, tile_start, offs_n, offs_d, context_len,
             visible, scale_log2,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-            PAGE_SIZE, HEAD_DIM, True,
+            PAGE_SIZE, HEAD_DIM, True, TILE_IN_PAGE,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows past a window's end see no key
@@ -170,8 +202,9 @@ def paged_prefill_attention(
     counts each sequence's cached tokens including this step's; max_q_len (a host int, so no
     device sync) bounds the launch grid. `window` > 0: a sliding window; `key_ends` int32
     `[total_q_tokens]`: query i sees keys < key_ends[i] (each at least its position + 1).
+    `config` None: the measured launch for max_q_len (`choose_prefill_config`).
     """
-    config = config or PrefillConfig()
+    config = config or choose_prefill_config(max_q_len)
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if cu_seqlens_q.dtype != torch.int32 or (key_ends is not None and key_ends.dtype != torch.int32):
         raise ValueError("cu_seqlens_q and key_ends must be int32")
@@ -195,7 +228,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP_SIZE=num_q_heads // num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        SLIDING=window > 0, HAS_KEY_ENDS=key_ends is not None,
+        SLIDING=window > 0, HAS_KEY_ENDS=key_ends is not None, TILE_IN_PAGE=page_size % config.block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

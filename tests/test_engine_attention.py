@@ -11,7 +11,7 @@ from vlmbatch.kernels.testing import make_paged_kv
 BLOCK, KV_HEADS, HEADS, DIM = 4, 2, 4, 8
 
 
-def paged_setup(context_lens, q_lens):
+def paged_setup(context_lens, q_lens, num_decode_rows=0):
     """A shuffled block pool holding random KV for each sequence, plus metadata."""
     torch.manual_seed(0)
     blocks_per_seq = [(c + BLOCK - 1) // BLOCK for c in context_lens]
@@ -35,6 +35,7 @@ def paged_setup(context_lens, q_lens):
         max_context_len=max(context_lens),
         q_lens=q_lens,
         context_lens_host=context_lens,
+        num_decode_rows=num_decode_rows,
     )
     return k_cache, v_cache, meta
 
@@ -53,14 +54,16 @@ def test_decode_matches_reference():
 
 
 @pytest.mark.parametrize(
-    ("context_lens", "q_lens"),
+    ("context_lens", "q_lens", "num_decode_rows"),
     [
-        ([11, 9, 4], [5, 9, 1]),  # a chunk after 6 cached tokens, a fresh prompt, one token after 3 cached
-        ([9, 4, 13], [1, 4, 1]),  # two decoding sequences share the step with a 4-token chunk
+        ([11, 9, 4], [5, 9, 1], 0),  # a chunk after 6 cached tokens, a fresh prompt, one token after 3 cached
+        ([9, 4, 13], [1, 4, 1], 0),  # decoding sequences share the step with a 4-token chunk, not first
+        ([9, 13, 4], [1, 1, 4], 2),  # the scheduler's order: they lead, and run as one decode batch
+        ([9, 13], [1, 1], 2),  # only one-token rows (each a prompt's last token)
     ],
 )
-def test_prefill_matches_reference(context_lens, q_lens):
-    k_cache, v_cache, meta = paged_setup(context_lens, q_lens)
+def test_prefill_matches_reference(context_lens, q_lens, num_decode_rows):
+    k_cache, v_cache, meta = paged_setup(context_lens, q_lens, num_decode_rows)
     q = torch.randn(sum(q_lens), HEADS, DIM)
     out = TorchBackend().prefill(q, step_kv(k_cache, meta), step_kv(v_cache, meta), k_cache, v_cache, meta, 0.3)
     expected = paged_prefill_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0.3)
@@ -162,7 +165,7 @@ def test_every_backend_matches_the_reference_in_bf16(name):
     a cache laid out as the engine leaves it (scattered blocks, garbage in unused ones);
     every backend this device has (only torch on the CPU)."""
     block, kv_heads, heads, dim, scale = 256, 2, 16, 128, 0.088
-    context_lens, q_lens = [700, 300, 513], [200, 300, 1]
+    context_lens, q_lens = [513, 700, 300], [1, 200, 300]  # a decoding row leads, as the scheduler orders them
     kv = make_paged_kv(context_lens, kv_heads, dim, block, torch.bfloat16, DEVICE, seed=1)
     to = dict(device=DEVICE, dtype=torch.int32)
     meta = AttentionMetadata(
@@ -170,6 +173,7 @@ def test_every_backend_matches_the_reference_in_bf16(name):
         block_tables=kv.block_tables, context_lens=kv.context_lens,
         cu_seqlens_q=torch.tensor([0, *q_lens]).cumsum(0).to(**to), cu_seqlens_k=torch.tensor([0, *context_lens]).cumsum(0).to(**to),
         max_q_len=max(q_lens), max_context_len=max(context_lens), q_lens=q_lens, context_lens_host=context_lens,
+        num_decode_rows=1,
     )
     backend = create_backend(name, DEVICE)
     generator = torch.Generator().manual_seed(2)

@@ -37,6 +37,20 @@ def test_prefill_then_decode_and_new_requests_join_running_batch_without_stallin
     assert not decode.is_prefill and decode.seqs == [a, b] and decode.num_new_tokens == [1, 1]
 
 
+def test_a_prefill_step_lists_its_one_token_rows_first():
+    """Decoding rows lead a mixed step, whatever the running order: attention runs them as
+    one decode batch (`AttentionMetadata.num_decode_rows`)."""
+    sched = make_scheduler(budget=4)
+    a, c = Sequence("a", [1, 2], SamplingParams()), Sequence("c", list(range(10)), SamplingParams())
+    sched.add(a)
+    sched.add(c)
+    first = run_step(sched)
+    assert first.seqs == [a, c] and first.num_new_tokens == [2, 2]
+    sched.running.reverse()  # c (mid-prompt) ahead of a (decoding)
+    mixed = run_step(sched)
+    assert mixed.is_prefill and mixed.seqs == [a, c] and mixed.num_new_tokens == [1, 3]
+
+
 def test_chunked_prefill_respects_token_budget():
     sched = make_scheduler(budget=5)
     long_seq = Sequence("long", list(range(12)), SamplingParams())

@@ -92,14 +92,18 @@ def test_decode_of_an_empty_context_is_zero():
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(8, 2), (6, 6)], ids=["gqa4", "mha"])
-@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (32, 16)])
-def test_prefill_matches_reference_on_mixed_batches(dtype, num_q_heads, num_kv_heads, block_m, block_n):
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "page_size"),
+    [(16, 16, 16), (32, 16, 64), (16, 32, 16)],
+    ids=["tile-is-page", "tiles-in-page", "tile-spans-pages"],
+)
+def test_prefill_matches_reference_on_mixed_batches(dtype, num_q_heads, num_kv_heads, block_m, block_n, page_size):
     # fresh prompt; prefix-cache hit; one decode-like query; a chunk ending mid-page; a
     # prompt longer than one query tile.
     q_lens = [20, 7, 1, 11, 40]
     context_lens = [20, 37, 50, 27, 40]
     head_dim = 32
-    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, 16, dtype, TARGET.device, seed=7)
+    kv = make_paged_kv(context_lens, num_kv_heads, head_dim, page_size, dtype, TARGET.device, seed=7)
     q = random_queries(sum(q_lens), num_q_heads, head_dim, dtype, seed=8)
     cu = cu_seqlens(q_lens)
     out = paged_prefill_attention(
@@ -189,3 +193,49 @@ def test_prefill_with_windows_and_spans_matches_reference(dtype, window, block_m
         causal = paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, SCALE,
                                              window=window)
         assert not torch.allclose(ref[:40].float(), causal[:40].float(), atol=1e-3)
+
+
+def test_prefill_launch_table_round_trip_and_lookup(tmp_path):
+    """`bench kernels --write-table` keeps each length's fastest config; the kernel reads it
+    back and picks the shortest swept length covering the step (the longest beyond them)."""
+    from vlmbatch.bench.kernels import write_prefill_table
+    from vlmbatch.kernels.prefill_attention import choose_prefill_config, load_tuned_configs
+
+    small, large, other = PrefillConfig(64, 32, 4, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 32, 4, 3)
+    rows = [
+        {"length": 512, "config": small, "ms": 1.0, "tflop_s": 300.0},
+        {"length": 512, "config": large, "ms": 1.2, "tflop_s": 250.0},
+        {"length": 512, "config": None, "ms": 0.5, "tflop_s": 600.0},  # a peer (SDPA): never a launch
+        {"length": 4096, "config": other, "ms": 9.0, "tflop_s": 280.0},
+        {"length": 4096, "config": large, "ms": 8.0, "tflop_s": 320.0},
+    ]
+    table = load_tuned_configs(write_prefill_table(rows, "test GPU", tmp_path / "prefill_tuned.json"))
+    assert table == {512: small, 4096: large}
+    assert choose_prefill_config(1, table) == small
+    assert choose_prefill_config(512, table) == small
+    assert choose_prefill_config(513, table) == large
+    assert choose_prefill_config(100_000, table) == large
+    assert choose_prefill_config(100, {}) == PrefillConfig()
+
+
+@needs_kernels
+def test_triton_backend_runs_leading_one_token_rows_through_decode():
+    """A mixed prefill step as the scheduler orders it: two decoding rows first (the decode
+    kernel), then a prefix-cache hit and a fresh prompt (the prefill kernel); a sliding
+    window too."""
+    from vlmbatch.engine.attention import AttentionMetadata, TritonBackend
+
+    dtype = DTYPES[0]
+    q_lens, context_lens = [1, 1, 9, 20], [30, 5, 25, 20]
+    kv = make_paged_kv(context_lens, 2, 32, 16, dtype, TARGET.device, seed=15)
+    q = random_queries(sum(q_lens), 8, 32, dtype, seed=16)
+    cu = cu_seqlens(q_lens)
+    meta = AttentionMetadata(
+        is_prefill=True, slot_mapping=torch.zeros(1, dtype=torch.int64, device=TARGET.device), block_tables=kv.block_tables,
+        context_lens=kv.context_lens, cu_seqlens_q=cu, max_q_len=max(q_lens), max_context_len=max(context_lens),
+        q_lens=q_lens, context_lens_host=context_lens, num_decode_rows=2,
+    )  # fmt: skip
+    for window in (0, 6):
+        out = TritonBackend().prefill(q, None, None, kv.k_cache, kv.v_cache, meta, SCALE, window)
+        ref = paged_prefill_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, SCALE, window=window)
+        assert_matches(out, ref)

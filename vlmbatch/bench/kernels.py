@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +24,7 @@ from vlmbatch.bench.fp8 import bench_fp8_linear, best_fp8_rows
 from vlmbatch.bench.roofline import measure_ceilings
 from vlmbatch.kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention, sm_count
 from vlmbatch.kernels.kv_cache_write import store_kvcache
+from vlmbatch.kernels.prefill_attention import TUNED_TABLE_PATH as PREFILL_TUNED_PATH
 from vlmbatch.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 from vlmbatch.kernels.reference import (
     apply_rotary_ref,
@@ -53,13 +54,21 @@ DECODE_CONFIGS = tuple(
 )  # fmt: skip
 PREFILL_CONFIGS = (
     PrefillConfig(128, 64, 8, 3),
+    PrefillConfig(128, 64, 8, 2),
     PrefillConfig(128, 64, 4, 3),
     PrefillConfig(128, 32, 4, 3),
     PrefillConfig(128, 128, 8, 2),
     PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(64, 64, 4, 2),
     PrefillConfig(64, 32, 4, 2),
 )
 PREFILL_BATCH, PREFILL_LEN = 64, 512
+# The launch-table sweep: full prefill steps (the engine's 16,384-token budget) of prompts
+# this long, 7B heads (Qwen2-7B: LLaVA-OneVision/NeXT, InternVL3-8B, Qwen2.5-VL-7B), the
+# engine's GPU page size.
+PREFILL_STEP_TOKENS = 16384
+PREFILL_SWEEP_LENGTHS = (256, 512, 1024, 2048, 4096)
+PREFILL_SWEEP_PAGE = 256
 # (name, out_features, in_features) of each decoder linear layer (q/k/v and gate/up fused).
 LINEAR_SHAPES = {
     "3B": (("qkv", 2560, 2048), ("o", 2048, 2048), ("gate_up", 22016, 2048), ("down", 2048, 11008), ("lm_head", 151936, 2048)),
@@ -82,6 +91,7 @@ class BenchReport:
     checks: list[dict] = field(default_factory=list)
     decode: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
+    prefill_lengths: list[dict] = field(default_factory=list)
     linear: list[dict] = field(default_factory=list)
     fp8: list[dict] = field(default_factory=list)
 
@@ -267,6 +277,55 @@ def bench_prefill(device: torch.device, matmul_tflop_s: float) -> list[dict]:
     return rows
 
 
+def bench_prefill_lengths(device: torch.device, matmul_tflop_s: float) -> list[dict]:
+    """Every launch config on full prefill steps of PREFILL_SWEEP_LENGTHS-token prompts (7B
+    heads, page 256), and SDPA on the same prompts padded into one batch; the launch table
+    (`write_prefill_table`) takes the fastest config of each length."""
+    rows = []
+    num_q_heads, num_kv_heads = MODELS["7B"]
+    scale = HEAD_DIM**-0.5
+    for length in PREFILL_SWEEP_LENGTHS:
+        batch = PREFILL_STEP_TOKENS // length
+        q = torch.randn(batch * length, num_q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * length
+        kv = make_paged_kv([length] * batch, num_kv_heads, HEAD_DIM, PREFILL_SWEEP_PAGE, torch.bfloat16, device)
+        args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, length, scale)
+        flop = 4 * batch * length * (length + 1) / 2 * num_q_heads * HEAD_DIM
+
+        def add(variant: str, fn: Callable[[], object], config: PrefillConfig | None = None) -> None:
+            try:
+                ms = median_ms(fn)
+            except OutOfResources:
+                return
+            rows.append({"length": length, "batch": batch, "variant": variant, "config": config, "ms": ms,
+                         "tflop_s": flop / ms / 1e9, "pct_of_matmul": 100 * flop / ms / 1e9 / matmul_tflop_s})  # fmt: skip
+
+        for config in PREFILL_CONFIGS:
+            add(f"triton {config}", lambda: paged_prefill_attention(*args, config=config), config)
+        q4 = q.view(batch, length, num_q_heads, HEAD_DIM).transpose(1, 2)
+        k, v = gathered_kv(kv, batch)
+        add("torch SDPA (contiguous, causal)", lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True))
+        del q, q4, k, v, kv
+    return rows
+
+
+def write_prefill_table(rows: list[dict], device: str, path: Path | str = PREFILL_TUNED_PATH) -> Path:
+    """The fastest triton config of each swept length into the prefill launch table."""
+    best: dict[int, dict] = {}
+    for row in rows:
+        if row["config"] is not None and (row["length"] not in best or row["ms"] < best[row["length"]]["ms"]):
+            best[row["length"]] = row
+    table = {
+        "measured": f"{device}, bfloat16, {time.strftime('%Y-%m-%d')}: full {PREFILL_STEP_TOKENS}-token causal steps of prompts "
+                    f"of each length, {MODELS['7B'][0]}/{MODELS['7B'][1]} heads of dim {HEAD_DIM}, page {PREFILL_SWEEP_PAGE}",
+        "configs": {str(length): {**asdict(row["config"]), "ms": round(row["ms"], 3), "tflop_s": round(row["tflop_s"], 1)}
+                    for length, row in sorted(best.items())},
+    }  # fmt: skip
+    path = Path(path)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
+
+
 def graph_ms_per_call(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
     """Milliseconds per call of `fn` over `weights` in turn, captured in one CUDA graph as
     the engine's decode steps are (no launch gaps; each weight is read from memory)."""
@@ -344,9 +403,10 @@ def _cell(value: object) -> str:
 
 def run_kernel_bench(
     json_path: Path | None, sweep_configs: bool = True, echo: Callable[[str], None] = print,
-    sections: tuple[str, ...] = ("prefill", "decode", "linear"),
+    sections: tuple[str, ...] = ("prefill", "decode", "linear"), write_table: bool = False,
 ) -> BenchReport:
-    """Check, then time; print the tables and write them to `json_path` when given."""
+    """Check, then time; print the tables and write them to `json_path` when given;
+    `write_table`: the prefill sweep's winners into the kernel's launch table."""
     device = torch.device("cuda")
     report = BenchReport(device=torch.cuda.get_device_name(device))
     started = time.perf_counter()
@@ -369,6 +429,11 @@ def run_kernel_bench(
         report.prefill = bench_prefill(device, report.ceilings["matmul_bf16_tflop_s"])
         section(f"prefill (bf16, {PREFILL_BATCH} x {PREFILL_LEN} causal, 3B heads)", report.prefill,
                 ["prefix", "page", "variant", "ms", "tflop_s", "pct_of_matmul"])  # fmt: skip
+        report.prefill_lengths = bench_prefill_lengths(device, report.ceilings["matmul_bf16_tflop_s"])
+        section(f"prefill by prompt length (bf16, {PREFILL_STEP_TOKENS}-token causal steps, 7B heads, page {PREFILL_SWEEP_PAGE})",
+                report.prefill_lengths, ["length", "batch", "variant", "ms", "tflop_s", "pct_of_matmul"])  # fmt: skip
+        if write_table:
+            echo(f"wrote {write_prefill_table(report.prefill_lengths, report.device)}")
     if "decode" in sections:
         report.decode = bench_decode(device, report.ceilings["copy_tb_s"], sweep_configs)
         section("decode (bf16; kv_tb_s = K and V bytes read / time)", report.decode,

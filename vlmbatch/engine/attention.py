@@ -52,6 +52,17 @@ class AttentionMetadata:
     # int32 [num_tokens], prefill only: query i sees keys < key_ends[i] (at least its own
     # position + 1); None = causal. Set only when a chunk holds a bidirectional span.
     key_ends: torch.Tensor | None = None
+    # Prefill only: the first sequences compute one token each (decoding sequences riding
+    # along with prompt chunks; the scheduler puts them first). Backends run them as one
+    # decode batch: through a prefill kernel, each would fill a whole query tile per head
+    # and re-read its context once per query head (LLaVA-OneVision's 3.7k-token steps
+    # spent more time there than in their prompts' attention). 0 = no such rows.
+    num_decode_rows: int = 0
+
+    def decode_rows(self) -> AttentionMetadata:
+        """The metadata of the first `num_decode_rows` sequences as a decode step."""
+        rows = slice(0, self.num_decode_rows)
+        return AttentionMetadata(False, self.slot_mapping, self.block_tables[rows], self.context_lens[rows])
 
 
 class AttentionBackend(ABC):
@@ -111,21 +122,18 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
-        """SDPA per prompt chunk; the one-token rows of decoding sequences that share the
-        step go through the batched decode path in one call."""
+        """SDPA per prompt chunk; the leading one-token rows (`num_decode_rows`) through the
+        batched decode path in one call."""
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
+        decode_rows = meta.num_decode_rows
+        if decode_rows:
+            out[:decode_rows] = self.decode(q[:decode_rows], k_cache, v_cache, meta.decode_rows(), scale, window)
         starts = [0]
         for q_len in meta.q_lens:
             starts.append(starts[-1] + q_len)
-        single = [b for b, q_len in enumerate(meta.q_lens) if q_len == 1]
-        if len(single) > 1:
-            rows = torch.tensor(single, device=q.device)
-            tokens = torch.tensor([starts[b] for b in single], device=q.device)
-            sub = AttentionMetadata(False, meta.slot_mapping, meta.block_tables[rows], meta.context_lens[rows])
-            out[tokens] = self.decode(q[tokens], k_cache, v_cache, sub, scale, window)
         for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.context_lens_host)):
-            if q_len == 1 and len(single) > 1:
+            if b < decode_rows:
                 continue
             start, end = starts[b], starts[b + 1]
             plain = window == 0 and meta.key_ends is None
@@ -179,10 +187,19 @@ class TritonBackend(AttentionBackend):
                                                    pdl_max_rows=self.pdl_max_rows)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
-        return self.kernels.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.max_q_len, scale,
-            window=window, key_ends=meta.key_ends,
-        )
+        """The prefill kernel over the prompt chunks (it indexes tokens through cu_seqlens_q,
+        so the sequences' slices suffice), the decode kernel over the leading one-token rows."""
+        rows = meta.num_decode_rows
+        if rows == len(meta.q_lens):
+            out = torch.empty_like(q)
+        else:
+            out = self.kernels.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables[rows:], meta.cu_seqlens_q[rows:], meta.context_lens[rows:],
+                meta.max_q_len, scale, window=window, key_ends=meta.key_ends,
+            )
+        if rows:
+            out[:rows] = self.decode(q[:rows], k_cache, v_cache, meta.decode_rows(), scale, window)
+        return out
 
     def decode(self, q, k_cache, v_cache, meta, scale, window=0):
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,

@@ -139,6 +139,7 @@ class ModelRunner:
             q_lens=q_lens,
             context_lens_host=context_lens,
             key_ends=None if key_ends is None else key_ends.to(**to),
+            num_decode_rows=next((b for b, n in enumerate(q_lens) if n != 1), len(q_lens)) if is_prefill else 0,
         )
         groups = [shared] + [replace(shared, slot_mapping=slots[g], block_tables=_padded_tables([t[g] for t in block_tables]).to(**to))
                              for g in range(1, self.kv_layout.num_groups)]

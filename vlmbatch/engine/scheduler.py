@@ -5,7 +5,8 @@ step's token budget (`max_num_batched_tokens`) goes to prompt chunks: first sequ
 already running with a partially computed prompt, then waiting ones, oldest first. A long
 prompt is thus split over several steps (chunked prefill) and new requests join without
 stalling the decoding ones. A step with no prompt work is a pure decode step, whose
-fixed shapes the runner replays as a CUDA graph.
+fixed shapes the runner replays as a CUDA graph; a step with prompt work lists its
+one-token rows first, for attention to run them as one decode batch.
 
 With `min_admission_batch` > 1, waiting requests join a running batch only once that
 many slots are free (or the queue is shorter): each admission is then one larger
@@ -110,7 +111,7 @@ class Scheduler:
             self._add(batch, seq, n)
         bm = self.block_manager
         if not self._admitting():
-            return batch if batch.seqs else None
+            return self._one_token_rows_first(batch) if batch.seqs else None
         media_budget = self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -128,7 +129,17 @@ class Scheduler:
             self._add(batch, seq, n)
             batch.is_prefill = True
             budget = max(0, budget - n)  # a whole span may overrun it
-        return batch if batch.seqs else None
+        return self._one_token_rows_first(batch) if batch.seqs else None
+
+    @staticmethod
+    def _one_token_rows_first(batch: ScheduledBatch) -> ScheduledBatch:
+        """A prefill step lists its one-token rows (decoding sequences) first, in their
+        order, so attention runs them as one decode batch (`AttentionMetadata.num_decode_rows`)."""
+        if batch.is_prefill:
+            order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+            batch.seqs = [batch.seqs[i] for i in order]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+        return batch
 
     def decodes_next(self, seqs: list[Sequence]) -> bool:
         """Whether `schedule()` would now give a pure decode step of exactly `seqs`, in
