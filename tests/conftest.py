@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from interpreter_harness import RUNS, InterpretedRun
 from s3_harness import S3Endpoint, SeaweedServer
 from vlmbatch.testing.tiny import ARCHS, make_tiny_model
 
@@ -40,6 +41,19 @@ def tiny_qwen2(tiny_model_dir: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llava(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("llava")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreted_kernel_runs(request: pytest.FixtureRequest) -> Iterator[dict[str, InterpretedRun]]:
+    """The selected interpreter runs of test_kernels_interpreter.py, started with the session
+    so they overlap the other tests (`interpreter_harness`); killed at its end if unfinished."""
+    from vlmbatch.kernels.testing import kernel_target
+
+    selected = {item.name for item in request.session.items} & RUNS.keys() if kernel_target() is None else set()
+    runs = {name: InterpretedRun.start(RUNS[name]) for name in sorted(selected)}
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 @pytest.fixture(scope="session")

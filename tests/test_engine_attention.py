@@ -175,7 +175,7 @@ def test_every_backend_matches_the_reference_in_bf16(name):
         max_q_len=max(q_lens), max_context_len=max(context_lens), q_lens=q_lens, context_lens_host=context_lens,
         num_decode_rows=1,
     )
-    backend = create_backend(name, DEVICE)
+    backend = create_backend(name)
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(sum(q_lens), heads, dim, generator=generator).to(DEVICE, torch.bfloat16)
     tables = kv.block_tables.tolist()

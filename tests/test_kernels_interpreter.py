@@ -1,56 +1,33 @@
-"""Runs the kernel tests under the Triton interpreter when this process cannot run them.
-
-Whether a kernel is interpreted is fixed when `@triton.jit` runs, at import; in a full
-`pytest tests/` run another module may import the kernels first, so the kernel tests get
-a fresh interpreter of their own with TRITON_INTERPRET=1.
-"""
+"""Runs the kernel tests under the Triton interpreter when this process cannot run them
+(`interpreter_harness`: each file set in a subprocess started with the session)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from vlmbatch.kernels.testing import kernel_target
 
-KERNEL_TEST_FILES = ["test_kernels_attention.py", "test_kernels_elementwise.py"]
-# These also hold bf16 GPU cases and sm_90 compile checks, which skip under the interpreter.
-KERNEL_TEST_FILES_WITH_GPU_CASES = ["test_kernels_fp8.py", "test_kernels_moe.py"]
 GPU_ONLY_SKIPS = ("needs a CUDA GPU", "the kernels are interpreted in this process", "this process runs the kernel tests directly")
 SKIP_LINE = re.compile(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", re.M)
+needs_interpreter = pytest.mark.skipif(kernel_target() is not None, reason="this process runs the kernel tests directly")
 
 
-def _run_interpreted(names: list[str]) -> subprocess.CompletedProcess:
-    tests_dir = Path(__file__).parent
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *(str(tests_dir / n) for n in names)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=tests_dir.parent,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+@needs_interpreter
+def test_kernels_pass_under_the_triton_interpreter(interpreted_kernel_runs):
+    returncode, output = interpreted_kernel_runs["test_kernels_pass_under_the_triton_interpreter"].result()
+    assert returncode == 0, output[-9000:]
+    assert " passed" in output and "skipped" not in output, output[-3000:]
 
 
-@pytest.mark.skipif(kernel_target() is not None, reason="this process runs the kernel tests directly")
-@pytest.mark.timeout(300)
-def test_kernels_pass_under_the_triton_interpreter():
-    result = _run_interpreted(KERNEL_TEST_FILES)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
-
-
-@pytest.mark.skipif(kernel_target() is not None, reason="this process runs the kernel tests directly")
-@pytest.mark.timeout(300)
-def test_fp8_and_moe_kernels_pass_under_the_triton_interpreter_skipping_only_gpu_cases():
-    result = _run_interpreted(KERNEL_TEST_FILES_WITH_GPU_CASES)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout, result.stdout[-3000:]
-    reasons = SKIP_LINE.findall(result.stdout)
+@needs_interpreter
+def test_fp8_and_moe_kernels_pass_under_the_triton_interpreter_skipping_only_gpu_cases(interpreted_kernel_runs):
+    run = interpreted_kernel_runs["test_fp8_and_moe_kernels_pass_under_the_triton_interpreter_skipping_only_gpu_cases"]
+    returncode, output = run.result()
+    assert returncode == 0, output[-9000:]
+    assert " passed" in output, output[-3000:]
+    reasons = SKIP_LINE.findall(output)
     assert reasons, "no skip reasons parsed: without CUDA the bf16 GPU cases must show up as skipped"
     unexpected = [reason for reason in reasons if not reason.startswith(GPU_ONLY_SKIPS)]
     assert not unexpected, unexpected
