@@ -176,3 +176,11 @@ def test_bench_engine_profiles_a_full_prefill_step_and_decode_steps(tmp_path):
     assert any("linear" in k["kernel"] or "mm" in k["kernel"] for k in prefill["kernels"])  # the decoder's GEMMs are in it
     assert report["decode_kernels"]["tiny-b2"] and report["vision_profile"]["images"] > 0
     assert "prefill tiny: one step of 2 prompts (576 tokens)" in result.output
+
+
+def test_bench_step_inputs_times_a_prefill_step_with_its_decoding_rows(tmp_path):
+    from vlmbatch.bench.step_inputs import run
+
+    result = run("tiny", 6, 2, "cpu", tmp_path / "step-inputs.json")
+    assert result["decoding_rows"] == 6 and result["rows"] == 7 and result["prompt_tokens"] > 0
+    assert json.loads((tmp_path / "step-inputs.json").read_text())["median_ms"] > 0

@@ -37,6 +37,7 @@ def test_greedy_tokens_match_transformers(arch, count, tiny_model_dir):
     stats = engine.stats
     assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
     assert stats.num_prefix_hit_tokens > 0 and stats.num_encoder_cache_hits > 0
+    assert stats.num_mixed_decode_rows > 0  # decoding rows in prefill steps: decode-step inputs, one decode batch
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # all freed
 
 
@@ -173,3 +174,34 @@ def test_asynchronous_decoding_gives_the_synchronous_tokens(tiny_qwen):
         assert (engine.stats.num_async_decode_steps > 0) == async_decode
     assert sorted(results[True]) == [str(i) for i in range(6)]
     assert results[True] == results[False]
+
+
+def test_decoding_rows_of_a_prefill_step_get_the_per_sequence_inputs(tiny_qwen, monkeypatch):
+    """A prefill step's decoding rows are built as a decode step's plain lists
+    (`_leading_decode_rows`); they must equal what the per-sequence path builds: ids,
+    embeddings, M-RoPE positions (images make rope_delta non-zero), slots, lengths."""
+    path = str(tiny_qwen)
+    adapter = load_adapter(path)
+    engine = PagedEngine(adapter, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=128, block_size=4,
+                                               max_num_seqs=8, max_num_batched_tokens=512, min_admission_batch=1))
+    engine.async_decode = False  # no step in flight while this test schedules one by hand
+    requests = build_requests(adapter, "qwen2_5_vl", 6, seed=3)
+    for request_id, text, images, videos, _ in requests[:4]:
+        engine.add_request(request_id, adapter.prepare(text, images, videos, 40), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.step()  # the four prompts
+    engine.step()  # their first decode step
+    for request_id, text, images, videos, _ in requests[4:]:
+        engine.add_request(request_id, adapter.prepare(text, images, videos, 40), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    batch = engine.scheduler.schedule()
+    engine._encode_media(batch)
+    runner = engine.runner
+    assert batch.is_prefill and runner._leading_decode_rows(batch) == 4
+    assert any(seq.mm is not None and seq.mm.rope_delta != 0 for seq in batch.seqs[:4])
+    fast = runner._prefill_inputs(batch)
+    monkeypatch.setattr(type(runner), "_leading_decode_rows", staticmethod(lambda batch: 0))
+    slow = runner._prefill_inputs(batch)
+    torch.testing.assert_close(fast[0], slow[0], rtol=0, atol=0)  # embeddings
+    assert torch.equal(fast[1], slow[1])  # positions [3, tokens]
+    for got, expected in zip(fast[2], slow[2]):
+        assert torch.equal(got.slot_mapping, expected.slot_mapping) and torch.equal(got.block_tables, expected.block_tables)
+        assert (got.q_lens, got.context_lens_host, got.num_decode_rows) == (expected.q_lens, expected.context_lens_host, 4)

@@ -85,6 +85,7 @@ class EngineStats:
     num_encoder_cache_hits: int = 0
     num_generated_tokens: int = 0
     num_async_decode_steps: int = 0  # decode steps launched on the previous step's tokens still on the device
+    num_mixed_decode_rows: int = 0  # decoding rows that rode along in prefill steps (as a decode batch there)
     # Wall seconds per phase (benchmarks read them to see where a run's time goes).
     # `*_launch_s`: host time building inputs and launching the forward; `*_wait_s`:
     # then waiting for the GPU (sampled tokens copied back); `vision_s` is synced only
@@ -445,5 +446,6 @@ class PagedEngine(Engine):
         s.num_forked_tokens = self.block_manager.num_forked_tokens
         s.num_window_freed_blocks = self.block_manager.num_window_freed_blocks
         s.num_graph_replays = self.runner.num_graph_replays
+        s.num_mixed_decode_rows = self.runner.num_mixed_decode_rows
         s.num_encoded_media = self.model.num_encoded_items
         s.num_encoder_cache_hits = self.model.num_encoder_cache_hits
