@@ -6,11 +6,11 @@ from pathlib import Path
 
 import typer
 
-from vlmbatch.cli.bench_options import shape_or_exit
+from vlmbatch.cli.bench_options import model_shape_option, shape_or_exit
 
 
 def bench_step_inputs(
-    shape: str = typer.Option("tiny", "--shape", help="Model shape with random weights (tiny: the CPU machine)."),
+    shape: str = model_shape_option("tiny"),
     rows: int = typer.Option(440, "--rows", min=1, help="Decoding sequences riding along in the prefill step."),
     repeats: int = typer.Option(20, "--repeats", min=1, help="Timed builds of the step's inputs (the median is reported)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
