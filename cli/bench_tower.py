@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from vlmbatch.cli.bench_options import model_shape_option, shape_or_exit
+from vlmbatch.cli.bench_options import model_shape_option, shape_or_exit, split
 
 
 def bench_tower(
@@ -16,12 +16,14 @@ def bench_tower(
     json_out: Path = typer.Option(Path("bench-out/tower.json"), "--json", help="Where to write the figures."),
     profile: bool = typer.Option(False, "--profile", help="Also one profiled call of each tower: its top kernels by device "
                                                           "time (CPU ops on the CPU), printed and in the JSON."),
+    sdpa_backends: str = typer.Option("", "--sdpa-backends", help="Also time ours with PyTorch's SDPA held to each of these "
+                                      "backends, comma-separated: flash, cudnn, efficient, math."),
 ) -> None:
     """ms per image, TFLOP/s and the relative error of our vision tower and transformers', for
     shapes whose family has a tower of ours (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; SigLIP:
     gemma3, llava_onevision, idefics3, smolvlm)."""
     from vlmbatch.bench.shapes import ShapeError
-    from vlmbatch.bench.tower import check_shape, run
+    from vlmbatch.bench.tower import SDPA_BACKENDS, check_shape, run
     from vlmbatch.engine.loading import resolve_device
 
     model_shape = shape_or_exit(shape)
@@ -30,7 +32,11 @@ def bench_tower(
     except ShapeError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2)
-    run(model_shape, images, resolve_device(device), json_out, profile)
+    backends = split(sdpa_backends)
+    unknown = [b for b in backends if b not in SDPA_BACKENDS]
+    if unknown:
+        raise typer.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SDPA_BACKENDS)}", param_hint="--sdpa-backends")
+    run(model_shape, images, resolve_device(device), json_out, profile, backends)
 
 
 def register(bench_app: typer.Typer) -> None:

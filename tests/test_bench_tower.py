@@ -41,8 +41,10 @@ def test_bench_tower_runs_the_siglip_families(tmp_path, shape, family):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        # OneVision also with SDPA held to one backend: math runs here, cuDNN's has no CPU kernel
+        backends = ["--sdpa-backends", "math,cudnn"] if family == "llava_onevision" else []
         result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", shape, "--images", "2", "--device", "cpu",
-                                          "--json", str(out), "--profile"])
+                                          "--json", str(out), "--profile", *backends])
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
@@ -52,3 +54,11 @@ def test_bench_tower_runs_the_siglip_families(tmp_path, shape, family):
     for tower in ("transformers", "vlmbatch"):
         assert report[tower]["ms_per_image"] > 0 and report[tower]["flops"] > 0
         assert report["profile"][tower] and all(row["ms"] >= 0 and 0 <= row["share"] <= 1 for row in report["profile"][tower])
+    if backends:
+        assert report["vlmbatch sdpa=math"]["relative_error"] <= 1e-5 and report["vlmbatch sdpa=math"]["ms_per_image"] > 0
+        assert "error" in report["vlmbatch sdpa=cudnn"] and "vlmbatch sdpa=math" in report["profile"]
+
+
+def test_bench_tower_refuses_an_unknown_sdpa_backend():
+    result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny_gemma3", "--device", "cpu", "--sdpa-backends", "fa9"])
+    assert result.exit_code == 2 and "unknown fa9" in result.output

@@ -1,6 +1,7 @@
 """`vlmbatch bench tower`: our vision tower against `transformers`' on the same weights and images.
 
     vlmbatch bench tower [--model-shape qwen3_vl_8b] [--images 64] [--device auto] [--json bench-out/tower.json] [--profile]
+                         [--sdpa-backends flash,cudnn,efficient]
 
 One `transformers` model of the shape with random weights (bf16 on a GPU, fp32 on the
 CPU; its language model dropped once built); our tower (the family's `tower_class`) is
@@ -12,7 +13,8 @@ SDPA's on the GPU, not the CPU's SDPA kernel) and TFLOP/s,
 and the relative L2 error of ours against `transformers`' output (each block of columns:
 the merged features, then each DeepStack level), which should be bf16 rounding. `--profile`
 adds one profiled call of each: its top kernels by device time (what shows whether the
-copies around attention are gone).
+copies around attention are gone). `--sdpa-backends` also times ours with PyTorch's SDPA
+held to each named backend (flash, cudnn, efficient, math), with its error.
 
 The SigLIP families (Gemma 3, LLaVA-OneVision, Idefics3/SmolVLM: `engine/layers/siglip.py`;
 InternVL's InternViT, `engine/layers/internvit.py`, its variant with a CLS token)
@@ -118,6 +120,25 @@ def _siglip_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, im
             "grids": [(len(pixels), pixels.shape[-2] // patch, pixels.shape[-1] // patch)]}
 
 
+# `--sdpa-backends` names -> PyTorch's SDPA backends (`torch.nn.attention.SDPBackend`)
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def with_sdpa_backend(encode, name: str):
+    """`encode` with PyTorch's SDPA held to one backend: the towers call SDPA on strided
+    q/k/v views, which some backends take as they are and others copy (the OneVision
+    tower's profile on the H200 showed 110 copies, 8% of its time, beside cuDNN attention)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, SDPA_BACKENDS[name])
+
+    def call():
+        with sdpa_kernel([backend]):
+            return encode()
+
+    return call
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -166,8 +187,10 @@ def top_kernels(encode, device: torch.device, top: int = 8) -> list[dict[str, An
 
 
 @torch.no_grad()
-def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profile: bool = False) -> dict[str, Any]:
-    """Both towers on one W1 batch of `images`; the report `run` prints and writes."""
+def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profile: bool = False,
+                    sdpa_backends: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Both towers on one W1 batch of `images`, ours also under each of `sdpa_backends`;
+    the report `run` prints and writes."""
     from vlmbatch.bench.shapes import random_hf_model, write_model_folder
     from vlmbatch.config import EngineConfig
     from vlmbatch.engine.attention import resolve_backend
@@ -200,23 +223,37 @@ def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profil
         "vlmbatch": time_tower(run["ours"], device, images),
     }
     report["speedup"] = report["transformers"]["median_ms"] / report["vlmbatch"]["median_ms"]
+    variants = {f"vlmbatch sdpa={name}": with_sdpa_backend(run["ours"], name) for name in sdpa_backends}
+    for name, encode in variants.items():
+        try:
+            report[name] = time_tower(encode, device, images)
+        except RuntimeError as exc:  # a backend that cannot take these shapes says so
+            report[name] = {"error": str(exc).splitlines()[0]}
+            continue
+        ours, theirs = encode(), run["theirs"]()
+        report[name]["relative_error"] = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
     if profile:
-        report["profile"] = {"transformers": top_kernels(run["theirs"], device), "vlmbatch": top_kernels(run["ours"], device)}
+        encoders = {"transformers": run["theirs"], "vlmbatch": run["ours"], **variants}
+        report["profile"] = {name: top_kernels(encode, device) for name, encode in encoders.items() if "error" not in report[name]}
     return report
 
 
-def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | None, profile: bool = False) -> dict[str, Any]:
+def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | None, profile: bool = False,
+        sdpa_backends: tuple[str, ...] = ()) -> dict[str, Any]:
     """The command: the bench, its table on stdout, the report written to `json_out`."""
     from rich.console import Console
     from rich.table import Table
 
-    report = run_tower_bench(shape, images, device, profile)
+    report = run_tower_bench(shape, images, device, profile, sdpa_backends)
     table = Table(title=f"vision tower: {shape.name}, {images} W1 images ({report['patches']:,} patches), "
                         f"{report['dtype']} on {report['device_name']}")
     for column in ("tower", "ms / image", "ms / batch", "GFLOP / image", "TFLOP/s", "speed-up"):
         table.add_column(column, justify="right")
-    for name in ("transformers", "vlmbatch"):
+    for name in ("transformers", "vlmbatch", *(f"vlmbatch sdpa={b}" for b in sdpa_backends)):
         row = report[name]
+        if "error" in row:
+            table.add_row(name, row["error"][:60], "", "", "", "")
+            continue
         speedup = report["transformers"]["median_ms"] / row["median_ms"]
         table.add_row(name, f"{row['ms_per_image']:.3f}", f"{row['median_ms']:.1f}", f"{row['flops'] / images / 1e9:.3g}",
                       f"{row['tflops_per_s']:.3g}", f"{speedup:.2f}x")
