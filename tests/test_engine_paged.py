@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import single_thread, WORDS, build_requests, hf_greedy, qwen_prompt, run_greedy, run_to_completion
+from engine_harness import (single_thread, WORDS, assert_logprobs_match, build_requests, hf_greedy, hf_greedy_logprobs, qwen_prompt,
+                            run_greedy, run_to_completion)
 
 from vlmbatch.config import EngineConfig
 from vlmbatch.engine.paged import PagedEngine
@@ -31,7 +32,7 @@ def test_greedy_tokens_match_transformers(arch, count, tiny_model_dir):
     assert sorted(outputs) == sorted(prepared)
     for request_id, (prompt, max_tokens) in prepared.items():
         ours = outputs[request_id].outputs[0]
-        assert ours.token_ids == hf_greedy(hf_model, adapter, prompt, max_tokens), request_id
+        assert_logprobs_match(outputs[request_id], hf_greedy_logprobs(hf_model, adapter, prompt, max_tokens), request_id)
         assert ours.text == adapter.tokenizer.decode(ours.token_ids, skip_special_tokens=True)
         assert ours.finish_reason == ("stop" if ours.token_ids[-1] in adapter.eos_token_ids else "length")
     stats = engine.stats
