@@ -3,7 +3,9 @@
 # .whl/ (transformers 5.24, to match the CPU machines) into /tmp/site, and vLLM 0.26 from the
 # parts earlier calls copied to /tmp/vparts/ (../shared/FACTS.md) into /tmp/site-vllm. With this tree
 # (~5 MB) a 60 MiB part no longer fits a call's 64 MiB: re-split the wheel with
-# `split -b 45M -d -a 1 WHEEL part` (seven parts, carried one a call; session 10).
+# `split -b 45M -d -a 1 WHEEL part` (seven parts, carried one a call; session 10). The call that installs
+# carries `.vllm/small` and `.vllm/vllm.sha256` (the join is checked against it). A file edited on the machine
+# stays edited in later calls on the same warm machine while it is unchanged here (session 12).
 # Usage there: source scripts/device-setup.sh   (then `vlmbatch bench ...`; see BENCHMARKS.md)
 # Beyond ../shared/tools/vllm-peer-wheels.txt, vLLM's structured outputs and FP8 checkpoints import
 # lm-format-enforcer 0.11.3, interegular 0.3.3, pyyaml, outlines_core 0.2.14, compressed-tensors 0.17.0
