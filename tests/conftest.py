@@ -47,9 +47,11 @@ def tiny_llava(tiny_model_dir: Callable[[str], Path]) -> Path:
 def interpreted_kernel_runs(request: pytest.FixtureRequest) -> Iterator[dict[str, InterpretedRun]]:
     """The selected interpreter runs of test_kernels_interpreter.py, started with the session
     so they overlap the other tests (`interpreter_harness`); killed at its end if unfinished."""
-    from vlmbatch.kernels.testing import kernel_target
+    selected = {item.name for item in request.session.items} & RUNS.keys()
+    if selected:  # (only then is triton imported here)
+        from vlmbatch.kernels.testing import kernel_target
 
-    selected = {item.name for item in request.session.items} & RUNS.keys() if kernel_target() is None else set()
+        selected = selected if kernel_target() is None else set()
     runs = {name: InterpretedRun.start(RUNS[name]) for name in sorted(selected)}
     yield runs
     for run in runs.values():
