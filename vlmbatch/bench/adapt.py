@@ -4,12 +4,14 @@ The harnesses drive our engine through its public surface (`add_request`, `step`
 `has_unfinished_requests`, `EngineStats`). What needs more lives here, so a change of the
 engine's internals is adapted in this one module: building the engine, turning a
 workload into its prepared prompts, teacher forcing (the scheduler and runner stepped by
-hand), switching attention backends, and reading the model's parts (the decoder's sizes for
-the roofline, the vision tower for a profile, the encoder cache for the JPEG check).
+hand), switching attention backends, building a prefill step's inputs by hand (its host
+cost), and reading the model's parts (the decoder's sizes for the roofline, the vision tower
+for a profile, the encoder cache for the JPEG check).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,3 +130,14 @@ def memory_summary(engine) -> dict[str, float]:
             "kv_groups": layout.num_groups, "kv_layers_per_group": layout.layers_per_group,
             "kv_window_tokens": max(layout.windows),
             "kv_gib": runner.num_kv_blocks * runner.block_bytes / 2**30, "decoder_weights_gib": weights / 2**30}
+
+
+def next_prefill_inputs(engine) -> tuple[Callable[[], Any], int, int, int]:
+    """Schedule the engine's next step (a prefill step: a prompt waits) and encode its media;
+    returns a call that builds its inputs as `ModelRunner.run` does, and the step's rows,
+    decoding rows (those built as a decode step's) and prompt tokens."""
+    batch = engine.scheduler.schedule()
+    engine._encode_media(batch)
+    runner = engine.runner
+    decoding = runner._leading_decode_rows(batch)
+    return (lambda: runner._prefill_inputs(batch)), len(batch.seqs), decoding, batch.num_tokens - decoding

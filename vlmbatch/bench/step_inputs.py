@@ -38,19 +38,16 @@ def run(shape_name: str, rows: int, repeats: int, device_name: str, json_out: Pa
         while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
             engine.step()
         engine.add_request("next", prompts[rows], params)
-        batch = engine.scheduler.schedule()
-        engine._encode_media(batch)
-        runner = engine.runner
-        decoding = runner._leading_decode_rows(batch)
+        build, step_rows, decoding, prompt_tokens = adapt.next_prefill_inputs(engine)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            runner._prefill_inputs(batch)
+            build()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
-    result = {"shape": shape_name, "device": str(device), "rows": len(batch.seqs), "decoding_rows": decoding,
-              "prompt_tokens": batch.num_tokens - decoding, "median_ms": 1e3 * statistics.median(times),
+    result = {"shape": shape_name, "device": str(device), "rows": step_rows, "decoding_rows": decoding,
+              "prompt_tokens": prompt_tokens, "median_ms": 1e3 * statistics.median(times),
               "us_per_decoding_row": 1e6 * statistics.median(times) / max(1, decoding), "repeats": repeats}  # fmt: skip
     print(f"{shape_name}: a prefill step of {decoding} decoding rows + {result['prompt_tokens']} prompt tokens: "
           f"inputs built in {result['median_ms']:.2f} ms (median of {repeats})")
