@@ -1,7 +1,7 @@
 """`vlmbatch bench step-inputs`: host time to build a prefill step's inputs beside decoding rows.
 
 A prefill step carries one token of every decoding sequence (hundreds under W1's
-admission waves: ~500 per LLaVA-OneVision-7B step on the H200), and prefill steps are
+admission waves: up to ~470 per LLaVA-OneVision-7B step on the H200, what its KV cache holds), and prefill steps are
 synchronous: the GPU waits while the host builds their inputs. This times
 `ModelRunner._prefill_inputs` on a step of `rows` decoding W1 requests plus the next W1
 prompt, on random weights of a shape (`tiny` runs on the CPU machine), median of `repeats`.

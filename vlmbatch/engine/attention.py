@@ -55,8 +55,8 @@ class AttentionMetadata:
     # Prefill only: the first sequences compute one token each (decoding sequences riding
     # along with prompt chunks; the scheduler puts them first). Backends run them as one
     # decode batch: through a prefill kernel, each would fill a whole query tile per head
-    # and re-read its context once per query head (LLaVA-OneVision's 3.7k-token steps
-    # spent more time there than in their prompts' attention). 0 = no such rows.
+    # and re-read its context once per query head (Qwen3-VL-8B's W1 on the H200: 63.8 req/s
+    # that way, 67.1 as a decode batch). 0 = no such rows.
     num_decode_rows: int = 0
 
     def decode_rows(self) -> AttentionMetadata:
