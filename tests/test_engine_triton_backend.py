@@ -5,7 +5,7 @@ fresh process: greedy tokens with our kernels (KV write, paged varlen prefill wi
 chunk and a prefix-cache hit, split-KV decode, fused SiLU-and-mul, and the decode-step
 linear layers through the skinny-GEMM kernel where the measured policy says, or all of
 them) must equal
-transformers' generate().
+transformers' generate(). Qwen3-VL adds the q/k head norms fused into the rotary kernel.
 """
 
 import subprocess
@@ -58,8 +58,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("decode_linear", ["auto", "skinny"])
-def test_triton_backend_matches_transformers_under_the_interpreter(tiny_qwen, decode_linear):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_qwen), decode_linear], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize(("arch", "decode_linear"), [("qwen2_5_vl", "auto"), ("qwen2_5_vl", "skinny"), ("qwen3_vl", "auto")])
+def test_triton_backend_matches_transformers_under_the_interpreter(tiny_model_dir, arch, decode_linear):
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir(arch)), decode_linear], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 

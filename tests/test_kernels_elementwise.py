@@ -180,3 +180,36 @@ def test_apply_rotary_and_store_equals_rotary_then_store(dtype):
 
     assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
     assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [False, True], ids=["qwen3", "gemma"])
+@pytest.mark.parametrize("head_dim", [16, 24], ids=["pow2", "masked"])
+def test_rotary_with_head_norms_equals_norms_then_rotary(dtype, offset, head_dim):
+    """Qwen3's / Gemma 3's q/k head norms inside the rotary launch: the same values as the
+    norm kernel on each head followed by the plain launch, on strided views of one q/k/v
+    projection as the decoder has them."""
+    num_tokens, q_heads, kv_heads = 5, 4, 2
+    qkv = randn(num_tokens, q_heads + 2 * kv_heads, head_dim, dtype=dtype, seed=10) * 3
+    q, k, v = qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads], qkv[:, q_heads + kv_heads :]
+    angles = randn(num_tokens, head_dim // 2, dtype=torch.float32, seed=11).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_weight, k_weight = randn(head_dim, dtype=dtype, seed=12), randn(head_dim, dtype=dtype, seed=13)
+    eps = 1e-6
+    slot_mapping = torch.tensor([3, 12, -1, 0, 7], dtype=torch.int64, device=TARGET.device)
+    k_cache, v_cache = randn(2, 8, kv_heads, head_dim, dtype=dtype, seed=14), randn(2, 8, kv_heads, head_dim, dtype=dtype, seed=15)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    expected_q, expected_k = apply_rotary_ref(rms_norm_ref(q, q_weight, eps, offset=offset), rms_norm_ref(k, k_weight, eps, offset=offset),
+                                              cos, sin)
+    store_kvcache_ref(expected_k, v, expected_k_cache, expected_v_cache, slot_mapping)
+
+    out_q, out_k = apply_rotary_and_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, head_norms=(q_weight, k_weight, eps, offset))
+    plain_q, plain_k = apply_rotary(q, k, cos, sin, head_norms=(q_weight, k_weight, eps, offset))
+
+    atol, rtol = TOLERANCE[dtype]
+    for out, expected in ((out_q, expected_q), (out_k, expected_k), (plain_q, expected_q), (plain_k, expected_k),
+                          (k_cache, expected_k_cache), (v_cache, expected_v_cache)):
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    unnormed_q, _ = apply_rotary(q, k, cos, sin)
+    assert not torch.allclose(unnormed_q.float(), out_q.float(), atol=atol, rtol=rtol)  # the norms did something

@@ -167,7 +167,7 @@ def time_tower(encode, device: torch.device, images: int) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def top_kernels(encode, device: torch.device, top: int = 8) -> list[dict[str, Any]]:
+def top_kernels(encode, device: torch.device, top: int = 16) -> list[dict[str, Any]]:
     """One profiled call of `encode`: its `top` kernels by device time (CPU: ops by self CPU
     time), each with its calls, ms and share of the call's total."""
     from torch.profiler import ProfilerActivity, profile

@@ -24,11 +24,15 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from vlmbatch.kernels.reference import to_cache_ref
+
+if TYPE_CHECKING:
+    from vlmbatch.engine.layers.norm import HeadNorms
 
 
 @dataclass
@@ -79,8 +83,12 @@ class AttentionBackend(ABC):
                 cache, values = cache.view(torch.uint8), values.view(torch.uint8)
             cache.view(-1, *values.shape[1:]).index_copy_(0, meta.slot_mapping, values)
 
-    def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta: AttentionMetadata, rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k with `rotary`, store the rotated k and v; returns (q, k) rotated."""
+    def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta: AttentionMetadata, rotary,
+                         head_norms: HeadNorms | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise each head of q and k with `head_norms` (if any), rotate them with
+        `rotary`, store the rotated k and v; returns (q, k) rotated."""
+        if head_norms is not None:
+            q, k = head_norms(q, k)
         q, k = rotary(q, k, cos, sin)
         self.store_kv(k, v, k_cache, v_cache, meta)
         return q, k
@@ -181,10 +189,11 @@ class TritonBackend(AttentionBackend):
     def store_kv(self, k, v, k_cache, v_cache, meta):
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta, rotary):
-        """One kernel for both (the decoder's rotary is this backend's fused one)."""
+    def rotate_and_store(self, q, k, v, cos, sin, k_cache, v_cache, meta, rotary, head_norms=None):
+        """One kernel for the head norms, rotary and the store (the decoder's rotary is this backend's fused one)."""
         return self.kernels.apply_rotary_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                                                   pdl_max_rows=self.pdl_max_rows)
+                                                   pdl_max_rows=self.pdl_max_rows,
+                                                   head_norms=head_norms.fused_weights() if head_norms is not None else None)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         """The prefill kernel over the prompt chunks (it indexes tokens through cu_seqlens_q,

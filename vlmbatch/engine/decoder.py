@@ -28,7 +28,7 @@ from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.embedding import ScaledEmbedding
 from vlmbatch.engine.layers.linear import Linear
-from vlmbatch.engine.layers.norm import OffsetRMSNorm, RMSNorm
+from vlmbatch.engine.layers.norm import HeadNorms, OffsetRMSNorm, RMSNorm
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, bias=False, skinny=kernels.skinny())
         self.q_norm = spec.norm(head_dim, cfg.rms_norm_eps, kernels) if spec.qk_norm else None
         self.k_norm = spec.norm(head_dim, cfg.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.head_norms = HeadNorms(self.q_norm, self.k_norm) if spec.qk_norm else None  # the backend may fuse them
         self.scale = spec.attention_scale if spec.attention_scale is not None else head_dim**-0.5
         self.window = layer.window
         self.rotary: Callable = kernels.rotary
@@ -110,10 +111,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         k_cache, v_cache = kv_cache
-        q, k = backend.rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, meta, self.rotary)
+        q, k = backend.rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, meta, self.rotary, self.head_norms)
         if meta.is_prefill:
             out = backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,3 +49,20 @@ class OffsetRMSNorm(RMSNorm):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype), x
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """The RMSNorms over each head of q and k that run before rotary (Qwen3, Gemma 3).
+    Attention backends receive them with the rotary step: the triton backend applies them
+    inside its rotary kernel (`fused_weights`), the others call the modules."""
+
+    q: RMSNorm
+    k: RMSNorm
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q(q)[0], self.k(k)[0]
+
+    def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """(q weight, k weight, eps, offset) as `kernels.apply_rotary` takes them."""
+        return self.q.weight, self.k.weight, self.q.eps, isinstance(self.q, OffsetRMSNorm)
