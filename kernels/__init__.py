@@ -8,6 +8,7 @@ from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_atte
 from . import fp8
 from .fp8 import Fp8GemmConfig, fp8_gemm, quantize_fp8
 from .fused_moe import GemmTile, MoeConfig, fused_moe
+from .moe_routing import route_topk
 from .kv_cache_write import store_kvcache
 from .prefill_attention import PrefillConfig, choose_prefill_config, paged_prefill_attention
 from .reference import (
@@ -16,6 +17,7 @@ from .reference import (
     fp8_gemm_ref,
     fused_moe_ref,
     quantize_fp8_ref,
+    route_topk_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -53,6 +55,8 @@ __all__ = [
     "quantize_fp8_ref",
     "rms_norm",
     "rms_norm_ref",
+    "route_topk",
+    "route_topk_ref",
     "SkinnyConfig",
     "skinny_linear",
     "store_kvcache",

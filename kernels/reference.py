@@ -180,6 +180,18 @@ def moe_down_ref(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Te
     return out
 
 
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' MoE routing (the softmax in float32, top-k, renormalised, the weights cast
+    to the logits' dtype) with ties taken by the lower expert id, as `route_topk` takes
+    them: a stable descending sort where `torch.topk` promises no order among equals."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
 def fused_moe_ref(
     hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:

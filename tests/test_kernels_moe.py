@@ -356,6 +356,48 @@ def test_block_matches_transformers_in_float32():
     torch.testing.assert_close(ours(x.view(-1, 32)).view(3, 11, 32), hf_block(x), atol=2e-6, rtol=2e-6)
 
 
+def test_routing_reference_is_transformers_routing_away_from_ties():
+    """`route_topk_ref` (the kernel's contract: ties to the lower id) is `select_experts`
+    (transformers' routing: test_block_matches_transformers_in_float32) wherever no two
+    probabilities tie; with ties it takes the lower ids first."""
+    logits = torch.randn(33, 128, generator=torch.Generator().manual_seed(2))
+    weights, ids = select_experts(logits, 8)
+    ref_weights, ref_ids = kernels.route_topk_ref(logits, 8)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    tied = torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0]])
+    weights, ids = kernels.route_topk_ref(tied, 2)
+    assert ids.tolist() == [[1, 3]] and torch.allclose(weights, torch.tensor([[0.5, 0.5]]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_experts", "top_k", "renormalize"), [(128, 8, True), (6, 2, True), (100, 3, False)])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_route_topk_matches_the_reference(dtype, num_experts, top_k, renormalize, ties):
+    """The one-launch router against `route_topk_ref`: the same experts in the same order,
+    the same weights (up to the exp's last bits), on 30B-A3B's 128 experts and odd counts;
+    `ties` puts the logits on a coarse grid, so equal logits abound."""
+    logits = torch.randn(37, num_experts, generator=torch.Generator().manual_seed(num_experts + top_k)) * 3
+    if ties:
+        logits = logits.round()
+    logits = logits.to(dtype).to(TARGET.device)
+    logits[5, : num_experts // 2] = float("-inf")  # a token whose router rules half the experts out
+
+    weights, ids = kernels.route_topk(logits, top_k, renormalize)
+
+    expected_weights, expected_ids = kernels.route_topk_ref(logits, top_k, renormalize)
+    assert weights.dtype == dtype and ids.dtype == torch.int64 and weights.shape == ids.shape == (37, top_k)
+    assert torch.equal(ids, expected_ids)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(weights, expected_weights, atol=atol, rtol=rtol)
+
+
+@needs_kernels
+def test_route_topk_refuses_more_picks_than_experts():
+    with pytest.raises(ValueError, match="top_k"):
+        kernels.route_topk(torch.zeros(2, 4, device=TARGET.device), 5)
+
+
 @torch.no_grad()
 def test_load_from_hf_adopts_or_copies_expert_by_expert():
     config, hf_block = tiny_hf_block(num_experts=4, top_k=1, seed=2)

@@ -1,9 +1,9 @@
 """Qwen3-VL-MoE's sparse block: a router and experts, on the fused grouped-GEMM kernels.
 
 Routing is transformers' (`Qwen3VLMoeTextTopKRouter`): softmax in float32 over the router
-logits, top-k, renormalised, cast back to the logits' dtype. The experts run as
-`vlmbatch.kernels.fused_moe` (Triton) or as its pure-torch reference, chosen once, from
-the `kernels` argument, when the block is built. The expert weights keep transformers'
+logits, top-k, renormalised, cast back to the logits' dtype. The router and the experts
+run as `vlmbatch.kernels.route_topk` and `fused_moe` (Triton) or as their pure-torch
+forms, chosen once, from the `kernels` argument, when the block is built. The expert weights keep transformers'
 layout, `gate_up` [experts, 2 * intermediate, hidden] (gate rows first) and `down`
 [experts, hidden, intermediate]; the checkpoints store both transposed (transformers
 transposes them when it loads), which `copy_experts(..., transposed=True)` takes.
@@ -46,6 +46,7 @@ class FusedMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory).requires_grad_(False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory), requires_grad=False)
+        self.route = kernels.route_topk if kernels is not None else select_experts
         self.run_experts = kernels.fused_moe if kernels is not None else fused_moe_ref
         self.fp8_scales: dict[str, torch.Tensor] = {}  # FP8 experts: the kernels' gate_up_scales / down_scales
 
@@ -59,7 +60,7 @@ class FusedMoE(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+        weights, ids = self.route(self.gate(x), self.top_k, self.norm_topk_prob)
         return self.run_experts(x, self.gate_up, self.down, weights, ids, **self.fp8_scales)
 
     @property
