@@ -26,6 +26,8 @@ def bench_engine(
     vllm_pythonpath: str = typer.Option("", "--vllm-pythonpath", help="PYTHONPATH of the vLLM child instead of ours (e.g. /tmp/site-vllm): "
                                         "vLLM's folder, without a transformers carried for our engine."),
     workloads: str = typer.Option("w1,w2", "--workloads", help="w1 (128 output tokens), w2 (16..512 output tokens)."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each workload on our engine and vLLM, each on fresh "
+                                "requests; the summary takes each engine's best pass and lists them all (generate(): the first only)."),
     backends: str = typer.Option("", "--backends", help="Attention backends whose logits are checked (default: every available one)."),
     attention_backend: str = typer.Option("auto", "--attention-backend", help="Backend of the timed runs: auto (the product's choice), triton, flash-attn, torch."),
     check_prompts: int = typer.Option(4, "--check-prompts", min=1, help="W1 prompts whose logits are checked per backend."),
@@ -101,6 +103,7 @@ def bench_engine(
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode, quantization=quantization,
         quantize_vision=quantize_vision, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
         structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"), grammar_fill_threads=grammar_fill_threads,
+        repeats=repeats,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)
     report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)),

@@ -84,6 +84,28 @@ def test_summary_puts_both_peers_beside_ours_with_the_ratios():
     assert "hf b128" in table and "21.60" in table and "56.60" in table and f"{110 / 26.2:.2f}x" in table and f"{110 / 56.6:.2f}x" in table
 
 
+def test_summary_takes_each_engines_best_pass_and_lists_them():
+    runs = [RunResult("vllm", "w1", 1024, 1024 / 49.5, 1024 * 128), RunResult("vllm", "w1#2", 1024, 1024 / 57.6, 1024 * 128),
+            RunResult("paged", "w1", 1024, 1024 / 62.5, 1024 * 128), RunResult("paged", "w1#2", 1024, 1024 / 70.7, 1024 * 128),
+            RunResult("paged", "w1+schema", 1024, 1024 / 60.0, 1024 * 128)]
+    summary = summarize(runs)
+    assert set(summary) == {"w1", "w1+schema"}
+    assert summary["w1"]["paged_requests_per_s"] == pytest.approx(70.7) and summary["w1"]["vllm_requests_per_s"] == pytest.approx(57.6)
+    assert summary["w1"]["paged_vs_vllm"] == pytest.approx(70.7 / 57.6)
+    assert summary["w1"]["passes"]["paged"] == pytest.approx([62.5, 70.7])
+    table = "\n".join(summary_table(summary, {}))
+    assert "w1 passes (the best of each engine above): ours 62.50, 70.70; vllm 49.50, 57.60" in table
+
+
+def test_repeats_time_each_workload_again_on_fresh_requests(tmp_path):
+    result, report = _bench_engine(tmp_path, "--peer", "", "--repeats", "2", "--check-prompts", "1", "--decode-steps", "2")
+    passes = [r for r in report["runs"] if r["engine"] == "paged"]
+    assert [r["workload"] for r in passes] == ["w1", "w1#2"] and all(r["output_tokens"] == 4 * 128 for r in passes)
+    assert all(r["extra"]["num_prefix_hit_tokens"] == 0 for r in passes[1:]), "the second pass must not reuse the first's cache"
+    assert report["summary"]["w1"]["paged_requests_per_s"] == max(r["requests_per_s"] for r in passes)
+    assert "w1 passes" in result.output
+
+
 def test_decode_step_cost_counts_weights_once_and_kv_per_sequence(tiny_qwen):
     from transformers import AutoConfig
 

@@ -14,6 +14,13 @@ checkpoint, the phases run in this order, each recorded even when another fails:
 6. decode-step time against the roofline at a few batch sizes, for this and other shapes.
 The report (JSON) is saved after every phase; it ends with our rate, each peer's, and the
 ratios ours / vLLM and ours / the best `generate()` batch size.
+
+With `repeats` > 1 our engine and vLLM time each workload that many times, each pass on
+fresh requests ("w1", "w1#2", ...: other images and words, the same output lengths, so no
+pass hits another's caches); the summary takes each engine's best pass and lists them
+all. One engine's W1 on the same H200 has moved by 10-15% between runs of the same tree
+(BENCHMARKS.md sessions 12-13), which a single pass reports as a change of ratio.
+`generate()` runs the first pass only (its rate is a fraction of ours).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,9 +90,20 @@ class BenchOptions:
     # GPU); no generate() peer, logits only with --reference-layers (a cut bf16 model)
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"  # fp8: our engine's KV cache in e4m3
+    repeats: int = 1  # timed passes of each workload on our engine and vLLM, each on fresh requests
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
+
+
+def pass_name(workload: str, index: int) -> str:
+    """The name of a workload's `index`-th timed pass: "w1", then "w1#2", "w1#3", ..."""
+    return workload if index == 0 else f"{workload}#{index + 1}"
+
+
+def base_workload(name: str) -> str:
+    """The workload a pass belongs to ("w1#2" -> "w1"; "w1+schema" stays itself)."""
+    return name.split("#")[0]
 
 
 class _Phases:
@@ -113,20 +131,21 @@ class _Phases:
 
 
 def summarize(results: list[RunResult]) -> dict[str, Any]:
-    """Per workload: our rate, each peer's, and the ratios ours / vLLM and ours / the best
-    `generate()` batch size."""
+    """Per workload: our rate, each peer's (the best of an engine's passes), the ratios
+    ours / vLLM and ours / the best `generate()` batch size, and every pass's rate."""
     summary = {}
-    for workload in dict.fromkeys(r.workload for r in results):
-        runs = [r for r in results if r.workload == workload]
-        ours = next((r.requests_per_s for r in runs if r.engine == "paged"), None)
+    for workload in dict.fromkeys(base_workload(r.workload) for r in results):
+        runs = [r for r in results if base_workload(r.workload) == workload]
+        passes = {engine: [r.requests_per_s for r in runs if r.engine == engine] for engine in ("paged", "vllm")}
+        ours, vllm = (max(passes[engine], default=None) for engine in ("paged", "vllm"))
         hf = {str(r.extra["batch_size"]): r.requests_per_s for r in runs if r.engine.startswith("hf-generate")}
-        vllm = next((r.requests_per_s for r in runs if r.engine == "vllm"), None)
         best_batch = max(hf, key=hf.get) if hf else None
         summary[workload] = {
             "paged_requests_per_s": ours, "hf_requests_per_s": hf, "hf_best_batch": best_batch,
             "hf_best_requests_per_s": hf[best_batch] if hf else None, "vllm_requests_per_s": vllm,
             "paged_vs_hf_best": ours / hf[best_batch] if ours and hf else None,
             "paged_vs_vllm": ours / vllm if ours and vllm else None,
+            "passes": passes,
         }
     return summary
 
@@ -146,6 +165,12 @@ def summary_table(summary: dict[str, Any], peers: dict[str, Any]) -> list[str]:
                      cell(s["paged_vs_vllm"], "x")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["requests/s (same run, same requests):"] + ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    for workload, s in summary.items():
+        repeated = {engine: rates for engine, rates in s.get("passes", {}).items() if len(rates) > 1}
+        if repeated:
+            listed = "; ".join(f"{'ours' if engine == 'paged' else engine} " + ", ".join(f"{r:.2f}" for r in rates)
+                               for engine, rates in repeated.items())
+            lines.append(f"  {workload} passes (the best of each engine above): {listed}")
     lines += [f"  {name}: skipped ({peer['reason']})" for name, peer in peers.items() if peer.get("status") == "skipped"]
     return lines
 
@@ -279,9 +304,12 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         adapter = load_adapter(str(folder))
         if options.model and not adapter.family.name.startswith("qwen"):
             raise ValueError(f"the engine benchmark's workloads need a Qwen-VL model, not {adapter.family.name}")
-        peer_counts = {name: options.peer_requests(name) if "hf" in options.peers else 0 for name in options.workloads}
-        workloads = {name: build_workload(name, adapter, max(options.requests, peer_counts[name]), seed=100 + number)
-                     for number, name in enumerate(options.workloads)}  # fresh images per workload: no cache hits across runs
+        peer_counts = {pass_name(name, index): options.peer_requests(name) if "hf" in options.peers and index == 0 else 0
+                       for name in options.workloads for index in range(options.repeats)}  # generate(): the first pass only
+        # fresh images per workload and pass: no cache hits across runs
+        workloads = {pass_name(name, index): replace(build_workload(name, adapter, max(options.requests, peer_counts[pass_name(name, index)]),
+                                                                    seed=100 + number + 1000 * index), name=pass_name(name, index))
+                     for number, name in enumerate(options.workloads) for index in range(options.repeats)}
         report["workloads"] = {name: {"requests": options.requests, "hf_requests": peer_counts[name], "prompt_tokens": w.prompt_tokens,
                                       "image_side": w.image_side, "output_tokens": w.head(options.requests).output_tokens}
                                for name, w in workloads.items()}
