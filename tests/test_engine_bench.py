@@ -197,6 +197,8 @@ def test_bench_engine_profiles_a_full_prefill_step_and_decode_steps(tmp_path):
     assert prefill["kernels"] and all(k["ms"] > 0 and k["calls"] >= 1 for k in prefill["kernels"])
     assert any("linear" in k["kernel"] or "mm" in k["kernel"] for k in prefill["kernels"])  # the decoder's GEMMs are in it
     assert report["decode_kernels"]["tiny-b2"] and report["vision_profile"]["images"] > 0
+    vision = report["vision_profile"]
+    assert 0 < vision["upload_ms"] and 0 < vision["on_device_ms"] and vision["ops"]  # the encode split: upload, then the rest
     assert "prefill tiny: one step of 2 prompts (576 tokens)" in result.output
 
 
