@@ -1,10 +1,10 @@
 """Mixture-of-experts routing as transformers does it, in one launch: the softmax of the
 router logits in float32, the top k, renormalised to sum 1, cast to the logits' dtype.
 
-In PyTorch that is six kernels per MoE layer (softmax, top-k, sum, divide, cast and a
-copy). A Qwen3-VL-30B-A3B decode step of one token is bound by its launches, not its
+In PyTorch that is at least five kernels per MoE layer (softmax, top-k, sum, divide,
+cast). A Qwen3-VL-30B-A3B decode step of one token is bound by its launches, not its
 bytes (4.01 ms against a 1.44 ms roofline on the H200, BENCHMARKS.md session 13), and its
-48 routers are 240 of them. One program routes one token: its row of logits fits in
+48 routers are 240 or more of them. One program routes one token: its row of logits fits in
 registers (128 experts on 30B-A3B), and the k picks are k passes of max over that row.
 
 Equal probabilities (equal bf16 logits) go to the lower expert id first; torch.topk does
