@@ -51,6 +51,9 @@ def test_bench_engine_command_runs_our_engine_and_the_hf_peer_and_skips_vllm_on_
     assert report["decode_roofline"]["tiny"][0]["batch"] == 2
     summary = report["summary"]["w1"]
     assert summary["paged_vs_hf_best"] == pytest.approx(runs["paged"]["requests_per_s"] / runs["hf-generate-b2"]["requests_per_s"])
+    floor = report["floors"]["w1"]  # the tower's FLOPs counted on the workload's own images
+    assert floor["requests"] == 4 and floor["flops_by_part"]["vision"] > 0 and floor["max_requests_per_s"] > runs["paged"]["requests_per_s"]
+    assert "w1 floor: " in result.output and "at the measured ceilings" in result.output
     assert summary["vllm_requests_per_s"] is None and summary["paged_vs_vllm"] is None
 
 
@@ -121,6 +124,44 @@ def test_decode_step_cost_counts_weights_once_and_kv_per_sequence(tiny_qwen):
     two_bytes, _ = decode_step_cost(decoder, batch=2, context=10)
     kv_per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * decoder.head_dim * 4
     assert two_bytes == weights + 2 * 10 * kv_per_token
+
+
+def test_workload_floor_counts_every_matmul_and_the_decode_steps_kv_reads(tiny_qwen):
+    """The floor's parts against sums written out token by token: the LM head per sampled
+    token, attention over each prompt position's and each decoded token's context, and the
+    KV bytes the decode steps read."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from vlmbatch.bench.floor import workload_floor
+    from vlmbatch.bench.workloads import Request, Workload
+    from vlmbatch.engine.decoder import Decoder, DecoderSpec
+    from vlmbatch.engine.kernel_choice import TORCH_KERNELS
+    from vlmbatch.engine.layers.rotary import RotaryEmbedding
+
+    text = AutoConfig.from_pretrained(tiny_qwen).text_config
+    decoder = Decoder(text, RotaryEmbedding(torch.ones(8), mrope_section=[2, 3, 3]), DecoderSpec(qkv_bias=True), TORCH_KERNELS)
+    engine = SimpleNamespace(model=SimpleNamespace(decoder=decoder), runner=SimpleNamespace(kv_dtype=torch.float32))
+    prompt, outputs = 10, [3, 5]
+    workload = Workload("w2", 28, prompt, [Request("", [], [], n) for n in outputs])
+    ceilings = {"matmul_flops_per_s": 1e12, "copy_bytes_per_s": 1e11}
+
+    floor = workload_floor(engine, workload, ceilings, vision_per_request=7e6)
+
+    layers, heads, kv_heads, dim = text.num_hidden_layers, decoder.layers[0].self_attn.num_heads, decoder.num_kv_heads, decoder.head_dim
+    decode_contexts = [c for n in outputs for c in range(prompt + 1, prompt + n)]
+    contexts = list(range(1, prompt + 1)) * len(outputs) + decode_contexts
+    parts = floor["flops_by_part"]
+    assert parts["lm_head"] == 2 * text.vocab_size * text.hidden_size * sum(outputs)
+    assert parts["attention"] == sum(4 * layers * heads * dim * c for c in contexts)
+    assert parts["vision"] == 7e6 * len(outputs)
+    linear_weights = sum(m.weight.numel() for m in decoder.layers.modules() if isinstance(m, torch.nn.Linear))
+    tokens = sum(prompt + n - 1 for n in outputs)
+    assert 2 * linear_weights * tokens <= parts["linear"] <= 1.1 * 2 * linear_weights * tokens  # the norms' weights count too
+    assert floor["kv_read_bytes"] == sum(layers * 2 * kv_heads * dim * 4 * c for c in decode_contexts)
+    assert floor["seconds"] == pytest.approx(sum(parts.values()) / 1e12 + floor["kv_read_bytes"] / 1e11)
+    assert floor["max_requests_per_s"] == pytest.approx(2 / floor["seconds"])
 
 
 def test_decode_step_cost_of_a_mixture_of_experts_counts_the_experts_a_batch_reads():

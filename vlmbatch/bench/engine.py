@@ -11,7 +11,10 @@ checkpoint, the phases run in this order, each recorded even when another fails:
 5. W1 and W2 on our engine (the peers' requests, images and output lengths); with a schema
    (`structured_schema`), W1 again under it (workload "w1+schema", on vLLM too) and the mask's
    cost per step at `mask_batches` (`bench.structured_w1`);
-6. decode-step time against the roofline at a few batch sizes, for this and other shapes.
+6. each workload's floor on this GPU (`bench.floor`: its matmuls at the measured bf16 rate,
+   its decode steps' KV reads at the measured copy bandwidth), which the closing table
+   turns into ours and vLLM as shares of it (not with `--quantization`);
+7. decode-step time against the roofline at a few batch sizes, for this and other shapes.
 The report (JSON) is saved after every phase; it ends with our rate, each peer's, and the
 ratios ours / vLLM and ours / the best `generate()` batch size.
 
@@ -40,6 +43,7 @@ from vlmbatch.bench.peers.hf import run_hf_peer
 from vlmbatch.bench.peers.vllm import run_vllm_peer, vllm_missing
 from vlmbatch.bench.profiles import profile_decode, profile_prefill, profile_vision
 from vlmbatch.bench.roofline import decode_roofline, measure_ceilings
+from vlmbatch.bench.floor import floor_lines, vision_flops_per_request, workload_floor
 from vlmbatch.bench.fp8 import FP8_MIN_BOUND, round_trip_fp8_layers, simulate_fp8_activations, vllm_model_folder
 from vlmbatch.bench.shapes import ModelShape, random_hf_model, resolve_shape, write_model_folder
 from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_run, use_full_size_vocab, warm_compile
@@ -368,10 +372,15 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         if options.structured_schema is not None and "w1" in workloads:
             phases.run("paged-w1-schema", _structured_phases, engine, workloads["w1"].head(options.requests), dtype, options, report,
                        record, echo)
+        if options.quantization == "none":  # the floor takes every matmul at the bf16 rate
+            floors = phases.run("floor", _floors, engine, {name: workloads[name].head(options.requests) for name in options.workloads},
+                                ceilings, dtype)
+            if floors is not None:
+                report["floors"] = floors
         owned = [engine]  # handed over: each other shape's engine is built once this one is freed
         del engine
         _rooflines(owned, [shape, *extra_shapes], options, Path(tmp), dtype, device, ceilings, report, phases, echo)
-    for line in summary_table(report.get("summary", {}), report["peers"]):
+    for line in summary_table(report.get("summary", {}), report["peers"]) + floor_lines(report.get("floors", {}), report.get("summary", {})):
         echo(line)
     report["ok"] = (bool(correctness["backends"]) and all(e["ok"] for e in correctness["backends"].values())
                     and bool(report.get("async_decoding") and report["async_decoding"]["ok"]))
@@ -410,6 +419,12 @@ def _timed_run(engine, workload: Workload, dtype: torch.dtype) -> RunResult:
     """One workload on our engine; its prompts (pixels made by the adapter) are prepared first, untimed."""
     return run_engine(engine, adapt.engine_prompts(workload, engine.adapter, dtype), [r.output_tokens for r in workload.requests],
                       workload.name)
+
+
+def _floors(engine, workloads: dict[str, Workload], ceilings: dict[str, float], dtype: torch.dtype) -> dict[str, Any]:
+    """Each workload's floor on this GPU (`bench.floor`), its tower FLOPs counted on its own media."""
+    return {name: workload_floor(engine, workload, ceilings, vision_flops_per_request(engine, workload, dtype))
+            for name, workload in workloads.items()}
 
 
 def _structured_phases(engine, workload: Workload, dtype: torch.dtype, options: BenchOptions, report: dict[str, Any],
