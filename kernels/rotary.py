@@ -9,8 +9,8 @@ cache in the same launch: one kernel fewer per layer, which small-batch decode i
 `head_norms` (Qwen3, Gemma 3: an RMSNorm over each head of q and k before rotary) are
 applied in the same launch, rounding where the unfused norm does (`reference.rms_norm_ref`):
 unfused, each norm reads q or k as a strided view of the q/k/v projection, so it costs a
-copy to make it contiguous, the norm's own pass, and a launch each (measured on the H200:
-~15 ms of a 400 ms prefill step of Qwen3-VL-8B).
+copy to make it contiguous, the norm's own pass, and a launch each (on the H200 a full
+Qwen3-VL-8B prefill step took 398.5 ms unfused, 377.8 ms fused: BENCHMARKS.md session 13).
 """
 
 from __future__ import annotations

@@ -163,6 +163,13 @@ def test_workload_floor_counts_every_matmul_and_the_decode_steps_kv_reads(tiny_q
     assert floor["seconds"] == pytest.approx(sum(parts.values()) / 1e12 + floor["kv_read_bytes"] / 1e11)
     assert floor["max_requests_per_s"] == pytest.approx(2 / floor["seconds"])
 
+    window = 12  # a sliding first layer (Gemma 3's kind): it attends to, and reads, its window only
+    decoder.layers[0].self_attn.window = window
+    windowed = workload_floor(engine, workload, ceilings, vision_per_request=7e6)
+    per_layer = 4 * heads * dim
+    assert windowed["flops_by_part"]["attention"] == sum(per_layer * (min(c, window) + (layers - 1) * c) for c in contexts)
+    assert windowed["kv_read_bytes"] == sum(2 * kv_heads * dim * 4 * (min(c, window) + (layers - 1) * c) for c in decode_contexts)
+
 
 def test_decode_step_cost_of_a_mixture_of_experts_counts_the_experts_a_batch_reads():
     from transformers import Qwen3VLMoeTextConfig

@@ -5,7 +5,7 @@ steps must read at the measured copy bandwidth, and nothing else costing time (n
 work, no elementwise passes, no launch gaps). The matmuls are the decoder's linear layers
 for every prompt token and every decoded token (a mixture of experts: the top-k experts
 per token), the LM head for every sampled token, causal attention over each prompt and
-each decoded token's context (sliding layers: their window), and the vision tower's
+each decoded token's context (a sliding layer attends to, and reads, its window only), and the vision tower's
 FLOPs per request as `FlopCounterMode` counts one encode of the workload's own media
 (on a GPU that includes SDPA; on the CPU it does not). With the floor, a requests/s
 figure becomes a share of what the hardware allows, and a goal such as "1.5x vLLM" a share
@@ -65,7 +65,7 @@ def workload_floor(engine, workload: Workload, ceilings: dict[str, float], visio
         parts["linear"] += linear * (prompt + decoded)
         parts["lm_head"] += lm_head * request.output_tokens
         parts["attention"] += attention(1, prompt) + attention(prompt + 1, prompt + decoded)
-        kv_bytes += kv_per_token * _context_sum(prompt + 1, prompt + decoded, 0)
+        kv_bytes += kv_per_token / len(windows) * sum(_context_sum(prompt + 1, prompt + decoded, window) for window in windows)
     flops = sum(parts.values())
     seconds = flops / ceilings["matmul_flops_per_s"] + kv_bytes / ceilings["copy_bytes_per_s"]
     return {"requests": len(workload.requests), "flops": flops, "flops_by_part": parts, "kv_read_bytes": kv_bytes,
