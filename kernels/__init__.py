@@ -23,8 +23,8 @@ from .reference import (
     rms_norm_ref,
     store_kvcache_ref,
 )
-from .norm import rms_norm
-from .activation import fused_gelu_tanh_and_mul, fused_silu_and_mul
+from .norm import rms_norm, rms_norm_fp8
+from .activation import fused_gelu_tanh_and_mul, fused_silu_and_mul, gated_fp8
 from .rotary import apply_rotary, apply_rotary_and_store
 from .skinny_gemm import SkinnyConfig, skinny_linear
 
@@ -39,6 +39,7 @@ __all__ = [
     "apply_rotary_ref",
     "fused_gelu_tanh_and_mul",
     "fused_silu_and_mul",
+    "gated_fp8",
     "choose_num_splits",
     "choose_prefill_config",
     "dequantize_fp8_ref",
@@ -54,6 +55,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_ref",
     "rms_norm",
+    "rms_norm_fp8",
     "rms_norm_ref",
     "route_topk",
     "route_topk_ref",

@@ -20,6 +20,7 @@ the quantization kernel is exact on the GPU, approximate on the CPU (tests say w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -416,12 +417,29 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torc
 
 
 def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
+              out_dtype: torch.dtype = torch.bfloat16, bias_in_gemm: bool = False) -> torch.Tensor:  # fmt: skip
     """The per-token x per-channel product through cuBLAS (`torch._scaled_mm`, rowwise
-    scales): needs K and N multiples of 16 and a bf16 output. The bias is added after
-    (rowwise scaling with a bias is not accepted by every torch/cuBLAS pairing)."""
-    out = torch._scaled_mm(a_q, w_q.t(), scale_a=a_s, scale_b=w_s.reshape(1, -1), out_dtype=out_dtype)
-    return out if bias is None else out.add_(bias)
+    scales): needs K and N multiples of 16 and a bf16 output. The bias goes into the GEMM's
+    epilogue where `scaled_mm_takes_bias` found that this torch build takes it, else it is
+    added after (one more pass over the output)."""
+    fused = bias if bias_in_gemm and bias is not None and bias.dtype == out_dtype else None
+    out = torch._scaled_mm(a_q, w_q.t(), scale_a=a_s, scale_b=w_s.reshape(1, -1), bias=fused, out_dtype=out_dtype)
+    return out if bias is None or fused is not None else out.add_(bias)
+
+
+@functools.cache
+def scaled_mm_takes_bias(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` with rowwise scales adds a bf16 bias in its epilogue on
+    `device` (not every torch and cuBLAS pairing accepts it): one 16x16x16 product, checked
+    against the bias added after."""
+    a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    w = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    scales, bias = torch.ones(16, 1, device=device), torch.arange(16, device=device, dtype=torch.bfloat16)
+    try:
+        fused = torch._scaled_mm(a, w.t(), scale_a=scales, scale_b=scales.reshape(1, -1), bias=bias, out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError):
+        return False
+    return bool(torch.equal(fused, torch.full((16, 16), 16.0, device=device, dtype=torch.bfloat16) + bias))
 
 
 def scaled_mm_supported(n: int, k: int) -> bool:

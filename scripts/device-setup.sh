@@ -14,6 +14,7 @@
 # MistralCommonBackend without the last two, session 11):
 # download those (cp312 manylinux) into .vllm/small too.
 set -e
+export PYTHONSAFEPATH=1  # the checkout's kernels/ must not shadow Hugging Face's `kernels` (scripts/test.sh)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl

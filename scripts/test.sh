@@ -11,4 +11,8 @@ fi
 # (kill -9, Redis loss, redelivery, shutdown signals), the 50-prompt parity sweeps, and runs
 # whose behaviour a default test already covers (each marker says which; README "Status"
 # lists them): `bash scripts/test.sh -m slow` runs them, `bash scripts/test.sh -m ""` runs everything.
+# PYTHONSAFEPATH: neither pytest nor the Python children the tests start put the checkout's
+# root on sys.path, where its kernels/ folder would shadow Hugging Face's `kernels` package
+# (a dependency of transformers >= 5.25, imported by it).
+export PYTHONSAFEPATH=1
 python3 -m pytest tests -q -ra -m "not slow" "$@"

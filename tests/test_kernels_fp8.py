@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlmbatch.kernels import gated_fp8, rms_norm_fp8
 from vlmbatch.kernels.fp8 import fp8_gemm, quantize_fp8, scaled_mm
 from vlmbatch.kernels.reference import fp8_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 from vlmbatch.kernels.testing import kernel_target
@@ -53,6 +54,81 @@ def _weights(n: int, k: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_fp8_ref(w, 128)
     q = (w * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q, torch.rand(-(-n // 128), -(-k // 128), device=DEVICE) + 0.01
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", TARGET.dtypes if TARGET else [torch.float32])
+@pytest.mark.parametrize("hidden, group", [(256, None), (200, None), (384, 128), (640, 128)])
+@pytest.mark.parametrize("residual, offset", [(False, False), (True, False), (True, True)], ids=["plain", "residual", "gemma"])
+def test_kernel_rms_norm_fp8_is_the_norm_then_its_quantization(dtype, hidden, group, residual, offset):
+    """The fused norm's FP8 output is what `quantize_fp8` makes of `rms_norm`'s output, bit
+    for bit (both kernels run the same float32 arithmetic and the same e4m3 cast), and its
+    residual output is the unfused one; odd widths cover the padded last group."""
+    from vlmbatch.kernels import rms_norm
+
+    torch.manual_seed(hidden)
+    x = (torch.randn(9, hidden, device=DEVICE) * torch.logspace(-2, 2, 9, device=DEVICE)[:, None]).to(dtype)
+    res = torch.randn_like(x) if residual else None
+    weight = torch.randn(hidden, device=DEVICE).to(dtype)
+    unfused = rms_norm(x, weight, 1e-6, res, offset=offset)
+    normed, summed = unfused if residual else (unfused, x)
+    q_ref, s_ref = quantize_fp8(normed, group)
+    q, s, fused_sum = rms_norm_fp8(x, weight, 1e-6, res, group=group, offset=offset)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and s.shape == s_ref.shape
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(fused_sum, summed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", TARGET.dtypes if TARGET else [torch.float32])
+@pytest.mark.parametrize("n, group", [(96, None), (2100, None), (384, 128), (200, 128)])
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "geglu"])
+def test_kernel_gated_fp8_is_the_activation_then_its_quantization(dtype, n, group, gelu):
+    """The fused gated activation's FP8 output is `quantize_fp8` of the unfused activation's
+    output, bit for bit: one scale per token across several column blocks (n = 2100), or
+    per 128 columns with a short last group (n = 200)."""
+    from vlmbatch.kernels import fused_gelu_tanh_and_mul, fused_silu_and_mul
+
+    torch.manual_seed(n)
+    gate_up = (torch.randn(5, 2 * n, device=DEVICE) * torch.logspace(-1, 1, 5, device=DEVICE)[:, None]).to(dtype)
+    product = (fused_gelu_tanh_and_mul if gelu else fused_silu_and_mul)(gate_up)
+    q_ref, s_ref = quantize_fp8(product, group)
+    q, s = gated_fp8(gate_up, group, gelu=gelu)
+    assert q.shape == product.shape and s.shape == s_ref.shape
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["channel", "blocks"])
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "geglu"])
+def test_kernel_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(layout, gelu):
+    """`DecoderLayer.emit_fp8_inputs`' two hookups, on the decoder's own modules: a norm
+    feeding an FP8 gate/up and the gated activation feeding an FP8 down projection hand
+    them `Fp8Activation`s, and the MLP's output is bit for bit the one where each FP8 layer
+    quantizes its own input (per token, or per 128 columns)."""
+    from vlmbatch import kernels
+    from vlmbatch.engine.decoder import MLP
+    from vlmbatch.engine.kernel_choice import Fp8Gemms, KernelSet
+    from vlmbatch.engine.layers.fp8_linear import Fp8Activation, Fp8Linear
+    from vlmbatch.engine.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    hidden, intermediate = 256, 384
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 1 << 30, lambda n, k: False, rms_norm_fp8, gated_fp8)
+    kernel_set = KernelSet("triton", kernels.rms_norm, kernels.apply_rotary, kernels.fused_silu_and_mul, None, "cublas", 0,
+                           gemms, kernels.fused_gelu_tanh_and_mul)  # fmt: skip
+    mlp = MLP(hidden, intermediate, kernel_set, "gelu_tanh" if gelu else "silu")
+    for name, (n, k) in {"gate_up_proj": (2 * intermediate, hidden), "down_proj": (hidden, intermediate)}.items():
+        setattr(mlp, name, Fp8Linear(*_weights(n, k, layout), None, gemms))
+    norm = RMSNorm(hidden, 1e-6, kernels.rms_norm).to(DEVICE)
+    x, residual = torch.randn(7, hidden, device=DEVICE), torch.randn(7, hidden, device=DEVICE)
+    h, summed = norm(x, residual)
+    expected = mlp(h)
+    norm.emit_fp8_for(mlp.gate_up_proj)
+    mlp.emit_fp8_for_down()
+    fused_h, fused_sum = norm(x, residual)
+    assert isinstance(fused_h, Fp8Activation) and mlp.act_fp8 is not None
+    assert torch.equal(fused_sum, summed) and torch.equal(mlp(fused_h), expected)
 
 
 @needs_kernels
@@ -337,7 +413,7 @@ def test_kernel_fp8_linear_is_the_quantized_product(layout):
     from vlmbatch.engine.layers.fp8_linear import Fp8Linear
     from vlmbatch.kernels.fp8 import scaled_mm_supported
 
-    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported)
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported, rms_norm_fp8, gated_fp8)
     w = torch.randn(192, 256, device=DEVICE) * 0.02
     w_q, w_s = quantize_fp8_blocks_ref(w) if layout == "blocks" else quantize_fp8_ref(w, None)
     bias = torch.randn(192, device=DEVICE)
@@ -474,6 +550,19 @@ def test_fp8_kernels_compile_for_hopper():
     quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", **dict.fromkeys("K stride_xm stride_qm stride_sm".split(), "i32")}
     ptx = build(_quantize_kernel, quant, dict(GROUP=128, BLOCK=128, FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=False), num_warps=1)
     assert "e4m3" in ptx
+    from vlmbatch.kernels.activation import _gated_fp8_kernel
+    from vlmbatch.kernels.norm import _rms_norm_kernel
+
+    norm = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+            "residual_out_ptr": "*bf16", "eps": "fp32",
+            **dict.fromkeys("stride_x stride_residual stride_out stride_scale stride_residual_out".split(), "i32")}  # fmt: skip
+    for group in (128, 4096):  # block-wise and per-token scales of a 3,584-wide row
+        ptx = build(_rms_norm_kernel, norm, dict(HIDDEN=3584, BLOCK=4096, HAS_RESIDUAL=True, OFFSET=False, FP8_GROUP=group,
+                                                 FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=False), num_warps=16)  # fmt: skip
+        assert "e4m3" in ptx, group
+    gated = {"gate_up_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", **dict.fromkeys("n_cols stride_in stride_q stride_s".split(), "i32")}
+    ptx = build(_gated_fp8_kernel, gated, dict(GROUP=18944, BLOCK=1024, GELU=False, FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=False), num_warps=4)
+    assert "e4m3" in ptx
     store = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64",
              **dict.fromkeys("stride_k_tok stride_k_head stride_v_tok stride_v_head stride_cache_slot stride_cache_head".split(), "i32")}  # fmt: skip
     assert "e4m3" in build(_store_kvcache_kernel, store, dict(NUM_HEADS=2, HEAD_DIM=128, BLOCK_H=2, BLOCK_D=128, FP8_CACHE=True), num_warps=4)
@@ -530,7 +619,7 @@ def test_kernel_dummy_decoder_is_built_directly_in_fp8():
 
     cfg = Qwen3VLMoeTextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=64)  # fmt: skip
-    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported)
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 64, scaled_mm_supported, rms_norm_fp8, gated_fp8)
     kernel_set = dataclasses.replace(TORCH_KERNELS, fp8=gemms)
 
     def mlp(text, layer, ks):

@@ -27,6 +27,7 @@ from torch import nn
 from vlmbatch.engine.attention import AttentionBackend, AttentionMetadata
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.embedding import ScaledEmbedding
+from vlmbatch.engine.layers.fp8_linear import Fp8Activation, Fp8Linear
 from vlmbatch.engine.layers.linear import Linear
 from vlmbatch.engine.layers.norm import HeadNorms, OffsetRMSNorm, RMSNorm
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
@@ -129,13 +130,25 @@ class MLP(nn.Module):
         if activation not in activations:
             raise ValueError(f"unsupported activation {activation!r}; the decoder has {', '.join(activations)}")
         self.act: Callable = activations[activation]
+        self.gelu = activation == "gelu_tanh"
+        self.triton_activation = kernels.name == "triton"
+        self.act_fp8: Callable | None = None  # set by `emit_fp8_for_down`
 
     def load_weights(self, weights: WeightLoader, prefix: str) -> None:
         self.gate_up_proj = weights.linear(self.gate_up_proj, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.down_proj = weights.linear(self.down_proj, [f"{prefix}.down_proj"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def emit_fp8_for_down(self) -> None:
+        """Where the down projection is FP8 and the activation runs on the Triton kernels, the
+        activation writes its product quantized for it (`Fp8Gemms.gated`)."""
+        if isinstance(self.down_proj, Fp8Linear) and self.triton_activation:
+            self.act_fp8 = self.down_proj.input_quantizer(self.down_proj.gemms.gated, gelu=self.gelu)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act_fp8 is not None:
+            return self.down_proj(Fp8Activation(*self.act_fp8(gate_up), gate_up.dtype))
+        return self.down_proj(self.act(gate_up))
 
 
 def dense_mlp(cfg: Any, layer: int, kernels: KernelSet, activation: str = "silu") -> nn.Module:
@@ -163,6 +176,16 @@ class DecoderLayer(nn.Module):
                 weights.param(getattr(self, name), "weight", f"{prefix}.{name}.weight")
         self.self_attn.load_weights(weights, f"{prefix}.self_attn")
         self.mlp.load_weights(weights, f"{prefix}.mlp")
+
+    def emit_fp8_inputs(self) -> None:
+        """Each norm or activation whose only consumer is an FP8 projection writes that
+        projection's input in FP8: one pass over the activations fewer per projection. The
+        norm before a mixture of experts stays in the compute dtype (its router reads it too)."""
+        self.input_layernorm.emit_fp8_for(self.self_attn.qkv_proj)
+        if isinstance(self.mlp, MLP):
+            mlp_norm = self.pre_feedforward_layernorm if self.pre_feedforward_layernorm is not None else self.post_attention_layernorm
+            mlp_norm.emit_fp8_for(self.mlp.gate_up_proj)
+            self.mlp.emit_fp8_for_down()
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
         h, residual = self.input_layernorm(x, residual)
@@ -211,6 +234,11 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.load_weights(weights, f"layers.{i}")
             weights.source.release_layer(i)
+
+    def emit_fp8_inputs(self) -> None:
+        """After loading: FP8 projections take their inputs quantized by the kernels before them (`DecoderLayer.emit_fp8_inputs`)."""
+        for layer in self.layers:
+            layer.emit_fp8_inputs()
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 metas: list[AttentionMetadata], backend: AttentionBackend, deepstack: DeepStack | None = None) -> torch.Tensor:

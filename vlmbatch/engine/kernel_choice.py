@@ -41,6 +41,8 @@ class Fp8Gemms:
     scaled_mm: Callable  # `kernels.fp8.scaled_mm`: cuBLAS, per-token x per-channel only
     triton_max_rows: int  # per-channel products of more rows go to `scaled_mm` where it applies
     scaled_mm_shapes: Callable[[int, int], bool]  # (N, K) -> whether cuBLAS takes them
+    rms_norm: Callable  # `kernels.rms_norm_fp8`: a norm whose output an FP8 layer takes, written in FP8
+    gated: Callable  # `kernels.gated_fp8`: the gated activation written in FP8 for the down projection
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,13 @@ def fp8_gemms(device: torch.device, pdl_max_rows: int = 0) -> Fp8Gemms | None:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         return None
     kernels = importlib.import_module("vlmbatch.kernels")
-    return Fp8Gemms(functools.partial(kernels.quantize_fp8, pdl_max_rows=pdl_max_rows),
-                    functools.partial(kernels.fp8_gemm, pdl_max_rows=pdl_max_rows),
-                    kernels.fp8.scaled_mm, FP8_TRITON_MAX_ROWS, kernels.fp8.scaled_mm_supported)  # fmt: skip
+
+    def bound(kernel: Callable) -> Callable:
+        return functools.partial(kernel, pdl_max_rows=pdl_max_rows)
+
+    scaled_mm = functools.partial(kernels.fp8.scaled_mm, bias_in_gemm=kernels.fp8.scaled_mm_takes_bias(device))
+    return Fp8Gemms(bound(kernels.quantize_fp8), bound(kernels.fp8_gemm), scaled_mm, FP8_TRITON_MAX_ROWS,
+                    kernels.fp8.scaled_mm_supported, bound(kernels.rms_norm_fp8), bound(kernels.gated_fp8))  # fmt: skip
 
 
 def choose_kernels(config: EngineConfig, device: torch.device, attention_backend: str) -> KernelSet:

@@ -105,6 +105,7 @@ class VisionLanguageModel(ABC):
                          len(checkpoint.files), checkpoint.read_bytes / 2**20, checkpoint.peak_host_bytes / 2**20)
             if fp8 is not None:
                 log.info("fp8: %d decoder projections / expert sets in FP8", weights.num_fp8)
+        decoder.emit_fp8_inputs()
         decoder.eval().requires_grad_(False)
         setattr(hf_model.model, cls.language_model_attr, None)
         hf_model.lm_head = None

@@ -8,7 +8,9 @@ call quantizes its input per token (channel layout) or per token and 128 columns
 layout), then multiplies: above `KernelSet.fp8.triton_max_rows` rows (64) through
 `torch._scaled_mm` where cuBLAS takes the shape, else through `vlmbatch.kernels.fp8_gemm`
 (with `fp8.decode_plan`'s launch at decode sizes), after `vlmbatch.kernels.quantize_fp8`. Nothing syncs with the host, so decode graphs
-capture it.
+capture it. Where the input comes straight from a norm or the gated activation, that
+kernel quantizes it instead (`Fp8Activation`, `input_quantizer`): one pass over the
+activations fewer per projection.
 
 Where FP8 cannot run (the CPU) the engine never builds these: `fp8_weights` gives the
 same fp8 values and scales, and `dequantize` turns them into the compute-dtype weight of a
@@ -17,7 +19,9 @@ plain `Linear`, so both paths start from the same quantized weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,6 +30,16 @@ from vlmbatch.engine.kernel_choice import Fp8Gemms
 from vlmbatch.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 
 GROUP = 128  # block-wise checkpoints: 128x128 weight blocks, 1x128 activation groups
+
+
+@dataclass(frozen=True)
+class Fp8Activation:
+    """A projection's input already quantized by the kernel that produced it, in the
+    layout the projection takes (`Fp8Linear.input_quantizer`)."""
+
+    q: torch.Tensor  # float8_e4m3fn [M, K]
+    scale: torch.Tensor  # float32 [M, groups]
+    dtype: torch.dtype  # the compute dtype of the projection's output
 
 
 class Fp8Linear(nn.Module):
@@ -43,16 +57,27 @@ class Fp8Linear(nn.Module):
         self.gemms = gemms
         self.use_scaled_mm = self.per_channel and gemms.scaled_mm_shapes(self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)
-        group = None if self.per_channel else GROUP
-        q, s = self.gemms.quantize(x, group)
-        if self.use_scaled_mm and x.shape[0] > self.gemms.triton_max_rows:
-            out = self.gemms.scaled_mm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
+    @property
+    def activation_group(self) -> int | None:
+        """Columns per activation scale: None (one per token) for per-channel weights, 128 for blocks."""
+        return None if self.per_channel else GROUP
+
+    def input_quantizer(self, fused_kernel: Callable, **options) -> Callable:
+        """`fused_kernel` (one of `Fp8Gemms`' producers: `rms_norm`, `gated`) bound to this
+        layer's activation layout, for the module that produces this layer's input."""
+        return functools.partial(fused_kernel, group=self.activation_group, **options)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            leading, q, s, dtype = x.q.shape[:-1], x.q, x.scale, x.dtype
+        else:
+            leading, dtype = x.shape[:-1], x.dtype
+            q, s = self.gemms.quantize(x.reshape(-1, self.in_features), self.activation_group)
+        if self.use_scaled_mm and q.shape[0] > self.gemms.triton_max_rows:
+            out = self.gemms.scaled_mm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=dtype)
         else:  # Triton: `fp8.decode_plan`'s launch at decode sizes
-            out = self.gemms.gemm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+            out = self.gemms.gemm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=dtype)
+        return out.reshape(*leading, self.out_features)
 
     def extra_repr(self) -> str:
         layout = "per-channel" if self.per_channel else f"{GROUP}x{GROUP} blocks"

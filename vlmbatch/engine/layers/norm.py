@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vlmbatch.engine.layers.fp8_linear import Fp8Activation, Fp8Linear
+
 
 class RMSNorm(nn.Module):
     """`kernel`: a fused add+norm with the same rounding (`KernelSet.rms_norm`), or None for PyTorch."""
@@ -18,9 +20,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.kernel = kernel
+        self.fp8_kernel: Callable | None = None  # set by `emit_fp8_for`
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def emit_fp8_for(self, linear: nn.Module) -> None:
+        """Hand `linear`, this norm's only consumer, its input already quantized when it is an
+        FP8 layer and this norm runs on the Triton kernels (`Fp8Gemms.rms_norm`)."""
+        if isinstance(linear, Fp8Linear) and self.kernel is not None:
+            self.fp8_kernel = linear.input_quantizer(linear.gemms.rms_norm, offset=isinstance(self, OffsetRMSNorm))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the decoder keeps the sum as the next residual."""
+        if self.fp8_kernel is not None:
+            q, scale, summed = self.fp8_kernel(x, self.weight, self.eps, residual)
+            return Fp8Activation(q, scale, x.dtype), summed
         if self.kernel is not None:
             return (self.kernel(x, self.weight, self.eps), x) if residual is None else self.kernel(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -41,7 +53,7 @@ class OffsetRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps, functools.partial(kernel, offset=True) if kernel is not None else None)
         nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         if self.kernel is not None:
             return super().forward(x, residual)
         if residual is not None:
