@@ -99,9 +99,10 @@ def test_kernel_gated_fp8_is_the_activation_then_its_quantization(dtype, n, grou
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", list(dict.fromkeys([torch.float32, *TARGET.dtypes])) if TARGET else [torch.float32])
 @pytest.mark.parametrize("layout", ["channel", "blocks"])
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "geglu"])
-def test_kernel_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(layout, gelu):
+def test_kernel_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(layout, gelu, dtype):
     """`DecoderLayer.emit_fp8_inputs`' two hookups, on the decoder's own modules: a norm
     feeding an FP8 gate/up and the gated activation feeding an FP8 down projection hand
     them `Fp8Activation`s, and the MLP's output is bit for bit the one where each FP8 layer
@@ -119,15 +120,17 @@ def test_kernel_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activatio
                            gemms, kernels.fused_gelu_tanh_and_mul)  # fmt: skip
     mlp = MLP(hidden, intermediate, kernel_set, "gelu_tanh" if gelu else "silu")
     for name, (n, k) in {"gate_up_proj": (2 * intermediate, hidden), "down_proj": (hidden, intermediate)}.items():
-        setattr(mlp, name, Fp8Linear(*_weights(n, k, layout), None, gemms))
-    norm = RMSNorm(hidden, 1e-6, kernels.rms_norm).to(DEVICE)
-    x, residual = torch.randn(7, hidden, device=DEVICE), torch.randn(7, hidden, device=DEVICE)
+        w_q, w_s = _weights(n, k, layout)  # scaled so the products stay well inside float16
+        setattr(mlp, name, Fp8Linear(w_q, w_s / (w_q.float().abs().mean() * k**0.5), None, gemms))
+    norm = RMSNorm(hidden, 1e-6, kernels.rms_norm).to(DEVICE, dtype)
+    x, residual = torch.randn(7, hidden, device=DEVICE, dtype=dtype), torch.randn(7, hidden, device=DEVICE, dtype=dtype)
     h, summed = norm(x, residual)
     expected = mlp(h)
     norm.emit_fp8_for(mlp.gate_up_proj)
     mlp.emit_fp8_for_down()
     fused_h, fused_sum = norm(x, residual)
     assert isinstance(fused_h, Fp8Activation) and mlp.act_fp8 is not None
+    assert expected.isfinite().all()
     assert torch.equal(fused_sum, summed) and torch.equal(mlp(fused_h), expected)
 
 
