@@ -36,6 +36,13 @@ class InternVLAdapter(ProcessorAdapter):
     # tiling defaults: InternVL rows decode on the CPU (`accepts_encoded_images` is False).
     prepare_encoded = ModelAdapter.prepare_encoded
 
+    def _count_image_tokens(self, height: int, width: int, processor_kwargs: dict[str, Any]) -> int:
+        """`<img>`, `image_seq_length` context tokens per tile, `</img>`: what the processor
+        writes. Its own count included the two markers up to transformers 5.24 and leaves
+        them out from 5.25, so only its tile count is taken from it."""
+        data = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)], **processor_kwargs)
+        return 2 + self.processor.image_seq_length * data.num_image_patches[0]
+
     def _video_inputs(self, videos: list[VideoFrames]) -> dict[str, Any]:
         """Frames as sampled: the video processor resizes each to one tile and samples nothing."""
         return sampled_video_inputs(videos) if videos else {}
