@@ -135,6 +135,37 @@ def test_kernel_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activatio
 
 
 @needs_kernels
+def test_kernel_qwen2_5_vl_tower_block_in_fp8_takes_its_inputs_quantized():
+    """`quantize_vision` on Qwen2.5-VL's tower: after `VisionBlock.emit_fp8_inputs` its two
+    norms and its activation hand q/k/v, gate/up and down their inputs in FP8, and the
+    block's output (biases in every projection) is bit for bit the unfused one."""
+    from vlmbatch import kernels
+    from vlmbatch.engine.kernel_choice import Fp8Gemms, KernelSet
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear, quantize_online
+    from vlmbatch.families.qwen2_5_vl.vision import VisionBlock
+
+    torch.manual_seed(0)
+    dim, heads, intermediate = 128, 2, 192
+    gemms = Fp8Gemms(quantize_fp8, fp8_gemm, scaled_mm, 1 << 30, lambda n, k: False, rms_norm_fp8, gated_fp8)
+    kernel_set = KernelSet("triton", kernels.rms_norm, kernels.apply_rotary, kernels.fused_silu_and_mul, None, "cublas", 0,
+                           gemms, kernels.fused_gelu_tanh_and_mul)  # fmt: skip
+    block = VisionBlock(dim, heads, intermediate, kernel_set).to(DEVICE)
+    for parent, name in ((block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "gate_up_proj"), (block.mlp, "down_proj")):
+        linear = getattr(parent, name)
+        setattr(parent, name, Fp8Linear(*quantize_online(linear.weight.detach() * 4), linear.bias.detach(), gemms))
+    x, residual = torch.randn(12, dim, device=DEVICE), torch.randn(12, dim, device=DEVICE)
+    angles = torch.rand(12, dim // heads, device=DEVICE)
+    args = (angles.cos(), angles.sin(), (5, 7))
+    with torch.no_grad():
+        expected = block(x, residual, *args)
+        block.emit_fp8_inputs()
+        fused = block(x, residual, *args)
+    assert block.norm1.fp8_kernel is not None and block.norm2.fp8_kernel is not None and block.mlp.act_fp8 is not None
+    assert expected[0].isfinite().all()
+    assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows, n, k", [(1, 96, 64), (3, 256, 200), (40, 384, 512), (130, 136, 256)])
 @pytest.mark.parametrize("layout", ["blocks", "row-blocks", "channel"])
 def test_kernel_fp8_gemm_matches_the_reference(rows, n, k, layout):

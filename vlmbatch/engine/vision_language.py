@@ -114,6 +114,8 @@ class VisionLanguageModel(ABC):
         model = cls(hf_model, decoder, kernels, image_decoder)
         if fp8 is not None and fp8.quantize_vision:
             log.info("fp8: %d vision linear layers converted", quantize_linears(model.vision_modules(), kernels, dtype))
+            for block in (m for root in model.vision_modules() for m in root.modules() if hasattr(m, "emit_fp8_inputs")):
+                block.emit_fp8_inputs()  # a tower's blocks that take their FP8 inputs quantized (Qwen2.5-VL's)
         return model
 
     def vision_modules(self) -> list[nn.Module]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
+from vlmbatch.engine.layers.fp8_linear import Fp8Activation
 from vlmbatch.engine.layers.segment_attention import attend_segments
 
 Grids = tuple[tuple[int, int, int], ...]  # (t, h, w) in patches, per item
@@ -55,11 +56,11 @@ class VisionAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation, cos: torch.Tensor, sin: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = self.rotary(q, k, cos, sin)
         q, k = q.to(v.dtype), k.to(v.dtype)  # the torch path computes in float32 (cos is float32)
-        return self.proj(attend_segments(q, k, v, lengths, self.scale).reshape(x.shape))
+        return self.proj(attend_segments(q, k, v, lengths, self.scale).reshape(-1, self.num_heads * self.head_dim))
 
 
 class QwenTower(nn.Module):

@@ -18,7 +18,6 @@ fp32 on the CPU and the bf16 engine against transformers on the GPU).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmbatch.engine.kernel_choice import KernelSet
+from vlmbatch.engine.layers.gated_mlp import GatedMLP
 from vlmbatch.engine.layers.norm import RMSNorm
 from vlmbatch.engine.layers.vision import Grids, LayoutCache, QwenTower, VisionAttention, merge_block_positions, rotary_tables
 
@@ -63,24 +63,20 @@ class BatchLayout:
     frame_lengths: tuple[int, ...]  # full-attention layers attend within each frame
 
 
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, intermediate: int, act: Callable):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(dim, 2 * intermediate)
-        self.down_proj = nn.Linear(intermediate, dim)
-        self.act = act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class VisionBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, intermediate: int, kernels: KernelSet):
         super().__init__()
         self.norm1 = RMSNorm(dim, 1e-6, kernels.rms_norm)
         self.attn = VisionAttention(dim, num_heads, kernels.rotary)
         self.norm2 = RMSNorm(dim, 1e-6, kernels.rms_norm)
-        self.mlp = VisionMLP(dim, intermediate, kernels.silu_and_mul)
+        self.mlp = GatedMLP(nn.Linear(dim, 2 * intermediate), nn.Linear(intermediate, dim), kernels)
+
+    def emit_fp8_inputs(self) -> None:
+        """With the tower in FP8 (`quantize_vision`): the norms and the activation write their
+        projections' inputs quantized, as the decoder's layers do (`DecoderLayer.emit_fp8_inputs`)."""
+        self.norm1.emit_fp8_for(self.attn.qkv)
+        self.norm2.emit_fp8_for(self.mlp.gate_up_proj)
+        self.mlp.emit_fp8_for_down()
 
     def forward(self, x, residual, cos, sin, lengths):
         """Takes and returns (output, residual) so each add is fused into the next norm."""
