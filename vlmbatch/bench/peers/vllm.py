@@ -137,6 +137,8 @@ def run_vllm_video_peer(spec: dict[str, Any], timeout_s: float, workdir: Path, e
     clip index of each warm-up and timed request); returns what `run_vllm_peer` does."""
     return run_child(dict(spec, kind="video"), timeout_s, workdir, env, pythonpath)
 
+CHILD_LOG_TAIL_LINES = 40  # of the child's output kept in a failed run's error
+
 
 def child_environment(env: dict[str, str], pythonpath: list[str]) -> dict[str, str]:
     """`env` with CHILD_ENV's defaults; `pythonpath`, when given, replaces its PYTHONPATH (a
@@ -150,29 +152,33 @@ def child_environment(env: dict[str, str], pythonpath: list[str]) -> dict[str, s
 
 def run_child(spec: dict[str, Any], timeout_s: float, workdir: Path, env: dict[str, str], pythonpath: list[str]) -> dict[str, Any]:
     """`python -m vlmbatch.bench.peers.vllm` on `spec` in its own session; its whole process
-    group is killed when it exits or runs past `timeout_s`; returns its result file."""
-    spec_path, result_path = workdir / "vllm-spec.json", workdir / "vllm-result.json"
+    group is killed when it exits or runs past `timeout_s`; returns its result file. Its
+    output (vLLM's engine-core processes' too) goes to `vllm-child.log` in `workdir`; on a
+    failure the error carries that log's last lines, where vLLM puts the root cause."""
+    spec_path, result_path, log_path = workdir / "vllm-spec.json", workdir / "vllm-result.json", workdir / "vllm-child.log"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
     child_env = child_environment(env, pythonpath)
     command = [sys.executable, "-m", "vlmbatch.bench.peers.vllm", str(spec_path), str(result_path)]
-    child = subprocess.Popen(command, env=child_env, start_new_session=True)
     error = None
-    try:
-        code = child.wait(timeout_s)
-        if code != 0:
-            error = f"the vLLM child exited with {code}"
-    except subprocess.TimeoutExpired:
-        error = f"the vLLM child ran past {timeout_s:.0f} s"
-    finally:
-        try:  # its whole group: vLLM's engine-core processes hold GPU memory too
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        child.wait()
+    with log_path.open("w") as log:
+        child = subprocess.Popen(command, env=child_env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = child.wait(timeout_s)
+            if code != 0:
+                error = f"the vLLM child exited with {code}"
+        except subprocess.TimeoutExpired:
+            error = f"the vLLM child ran past {timeout_s:.0f} s"
+        finally:
+            try:  # its whole group: vLLM's engine-core processes hold GPU memory too
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.wait()
     result = json.loads(result_path.read_text()) if result_path.exists() else {"runs": []}
-    if error and "skipped" not in result:
-        result["error"] = result.get("error") or error
+    if (error or "error" in result) and "skipped" not in result:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-CHILD_LOG_TAIL_LINES:])
+        result["error"] = f"{result.get('error') or error}\n--- the vLLM child's last output lines ---\n{tail}"
     return result
 
 
