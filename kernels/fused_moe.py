@@ -41,7 +41,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from .pdl import follow_previous, launch_options, pdl_launch
 
@@ -364,8 +363,12 @@ def _expert_gemm_kernel(
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP8_W:  # e4m3 weights times their 128x128 block scales, rounded to the activations' dtype
-            s_mask = (offs_k[:, None] < k_left) & n_mask
-            s_ptrs = ws_ptr + expert * stride_wse + (k * BLOCK_K + offs_k[:, None]) // _FP8_BLOCK
+            if BLOCK_K <= _FP8_BLOCK:  # the step lies inside one 128-column block: one row of scales, broadcast
+                s_mask = n_mask
+                s_ptrs = ws_ptr + expert * stride_wse + (k * BLOCK_K) // _FP8_BLOCK
+            else:
+                s_mask = (offs_k[:, None] < k_left) & n_mask
+                s_ptrs = ws_ptr + expert * stride_wse + (k * BLOCK_K + offs_k[:, None]) // _FP8_BLOCK
             w = (w.to(tl.float32) * tl.load(s_ptrs + (offs_n[None, :] // SCALE_ROWS) * stride_wsn, mask=s_mask, other=0.0)).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
@@ -426,33 +429,17 @@ def _launch_expert_gemm(
         sorted_pairs, expert_ids, num_padded = blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
     ws, stride_wse, stride_wsn, scale_rows = _scale_args(weight, scales)
-    key = (block_m, tile, gated, scales is not None, a.dtype)
-    stages = _STAGES_THAT_FIT.get(key, tile.num_stages)
-    while True:
-        try:
-            _expert_gemm_kernel[grid](
-                a, weight, ws, out, routing if routing is not None else out, sorted_pairs, expert_ids, num_padded,
-                out.shape[0], num_blocks, n, k, weight.shape[0],
-                a.stride(0), weight.stride(0), weight.stride(1), stride_wse, stride_wsn, out.stride(0),
-                PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, WEIGHTED=routing is not None,
-                EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
-                DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                FP8_W=scales is not None, SCALE_ROWS=scale_rows, PAIR_BLOCKS=pair_blocks, PREFETCH=prefetch,
-                num_warps=tile.num_warps, num_stages=stages, **launch_options(pdl),
-            )  # fmt: skip
-            return
-        except OutOfResources:  # raised before anything is enqueued: retry shallower
-            if stages == 1:
-                raise
-            stages = _STAGES_THAT_FIT[key] = stages - 1
-
-
-# Pipeline depths that fit in shared memory where a tile's own did not, found at the first
-# launch: the tiles were measured with bf16 weights, and FP8 weights dequantized in the
-# kernel also stage their [BLOCK_K, BLOCK_N] scales (a 128x128x64 gated tile at 4 stages
-# asked 320 KiB of the H200's 227 KiB in session 14).
-_STAGES_THAT_FIT: dict[tuple, int] = {}
+    _expert_gemm_kernel[grid](
+        a, weight, ws, out, routing if routing is not None else out, sorted_pairs, expert_ids, num_padded,
+        out.shape[0], num_blocks, n, k, weight.shape[0],
+        a.stride(0), weight.stride(0), weight.stride(1), stride_wse, stride_wsn, out.stride(0),
+        PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, WEIGHTED=routing is not None,
+        EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        FP8_W=scales is not None, SCALE_ROWS=scale_rows, PAIR_BLOCKS=pair_blocks, PREFETCH=prefetch,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
+    )  # fmt: skip
 
 
 def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: GemmTile,

@@ -525,12 +525,14 @@ def test_kernel_kv_write_into_an_fp8_cache_clamps_and_rounds():
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_m, mma_rows", [(1, 0), (1, 16), (16, 0)], ids=["per-pair", "per-pair-mma", "grouped"])
+@pytest.mark.parametrize("block_m, mma_rows, block_k", [(1, 0, 64), (1, 16, 64), (16, 0, 64), (16, 0, 256)],
+                         ids=["per-pair", "per-pair-mma", "grouped", "grouped-wide-k-steps"])
 @pytest.mark.parametrize("per_row_scales", [False, True], ids=["block-scales", "per-row-block-scales"])
-def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, mma_rows, per_row_scales):
+def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, mma_rows, block_k, per_row_scales):
     """Block-scaled e4m3 experts (Qwen3-VL-30B-A3B-Instruct-FP8's layout): the grouped GEMMs
     and the per-pair GEMVs (and their MMA variants) dequantize each tile as `fused_moe_fp8_ref` dequantizes the whole
-    expert, so they agree to the float32 order of additions."""
+    expert, so they agree to the float32 order of additions. K steps of 64 columns read one
+    row of block scales per step, steps of 256 a scale per column."""
     from vlmbatch.kernels.fused_moe import GemmTile, MoeConfig, fused_moe
     from vlmbatch.kernels.reference import fused_moe_fp8_ref
 
@@ -547,7 +549,7 @@ def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, mma_ro
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE) * 0.1
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
     weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
-    config = MoeConfig(block_m, GemmTile(32, 64, mma_rows=mma_rows), GemmTile(32, 64, mma_rows=mma_rows))
+    config = MoeConfig(block_m, GemmTile(32, block_k, mma_rows=mma_rows), GemmTile(32, block_k, mma_rows=mma_rows))
     out = fused_moe(x, w_gate_up, w_down, weights, ids, config, gate_up_scales=s_gate_up, down_scales=s_down)
     ref = fused_moe_fp8_ref(x, w_gate_up, w_down, weights, ids, s_gate_up, s_down)
     assert (out - ref).norm() / ref.norm() < 1e-5

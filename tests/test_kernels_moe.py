@@ -273,6 +273,39 @@ def test_kernels_run_under_the_triton_interpreter():
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
 
 
+H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB), as the H200 reported it (session 14)
+
+
+@pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
+def test_every_tuned_grouped_tile_fits_the_h200s_shared_memory_with_fp8_experts():
+    """The tuned table's grouped-GEMM tiles (prefill and large decode batches) were swept on
+    the H200 with bf16 experts; FP8 experts run the same tiles. Compiled for sm_90 with e4m3
+    weights, each must fit in a Hopper block's shared memory (session 14: FP8 experts that
+    gathered a [BLOCK_K, BLOCK_N] tile of scales per K step asked 320 KiB at prefill on the
+    H200 and the engine failed to start)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from vlmbatch.kernels.fused_moe import TUNED_CONFIGS, _expert_gemm_kernel
+
+    tiles = {(config.block_m, gated, tile) for table in TUNED_CONFIGS.values() for config in table.values() if config.block_m > 1
+             for gated, tile in ((True, config.gate_up), (False, config.down))}  # fmt: skip
+    assert tiles, "the tuned table has no grouped-GEMM tiles"
+    ints = "num_pairs num_blocks N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om"
+    for weights, fp8 in (("*fp8e4nv", dict(FP8_W=True, SCALE_ROWS=128)),):
+        args = {"a_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i32",
+                "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", **dict.fromkeys(ints.split(), "i32")}  # fmt: skip
+        aligned = {(_expert_gemm_kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items()
+                   if kind.startswith("*") or name.startswith("stride") or name in ("N", "K")}  # fmt: skip
+        for block_m, gated, tile in sorted(tiles, key=str):
+            constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True,
+                             DOT_PRECISION="tf32", PDL=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                             GROUP_M=tile.group_m, PAIR_BLOCKS=False, PREFETCH=0, **fp8)  # fmt: skip
+            source = ASTSource(_expert_gemm_kernel, {**args, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
+            kernel = compile(source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+            assert kernel.metadata.shared <= H200_SHARED_MEMORY, (weights, block_m, gated, tile, kernel.metadata.shared)
+
+
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
 def test_kernels_compile_for_hopper_with_streamed_weights():
     """bf16 cannot be checked in the interpreter, so compile the bf16 kernels for sm_90 here:
