@@ -177,7 +177,8 @@ def test_the_setting(tiny_qwen: Path) -> None:
         EngineConfig.from_env({"VLMBATCH_GPU_IMAGE_DECODE": "sometimes"})
 
 
-@pytest.mark.parametrize("how", ["flag", "env"])
+# The variable's parsing is tested above; its end-to-end run is in `-m slow`.
+@pytest.mark.parametrize("how", ["flag", pytest.param("env", marks=pytest.mark.slow)])
 def test_forced_on_without_cuda_refuses_the_job(how: str, tiny_qwen: Path, tmp_path: Path) -> None:
     """The in-process job path: `submit` refuses with the reason, before any row runs."""
     import os

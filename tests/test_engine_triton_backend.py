@@ -58,7 +58,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("arch", "decode_linear"), [("qwen2_5_vl", "auto"), ("qwen2_5_vl", "skinny"), ("qwen3_vl", "auto")])
+# The all-skinny policy runs in `-m slow` (the skinny kernel itself is tested in
+# test_kernels_elementwise.py, the measured policy here by default).
+@pytest.mark.parametrize(("arch", "decode_linear"), [("qwen2_5_vl", "auto"), pytest.param("qwen2_5_vl", "skinny", marks=pytest.mark.slow),
+                                                     ("qwen3_vl", "auto")])
 def test_triton_backend_matches_transformers_under_the_interpreter(tiny_model_dir, arch, decode_linear):
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir(arch)), decode_linear], capture_output=True, text=True,
                             timeout=300)
