@@ -92,13 +92,15 @@ def fp8_gemms(device: torch.device, pdl_max_rows: int = 0) -> Fp8Gemms | None:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         return None
     kernels = importlib.import_module("vlmbatch.kernels")
-
-    def bound(kernel: Callable) -> Callable:
-        return functools.partial(kernel, pdl_max_rows=pdl_max_rows)
-
+    bound = functools.partial(_with_pdl, pdl_max_rows=pdl_max_rows)
     scaled_mm = functools.partial(kernels.fp8.scaled_mm, bias_in_gemm=kernels.fp8.scaled_mm_takes_bias(device))
     return Fp8Gemms(bound(kernels.quantize_fp8), bound(kernels.fp8_gemm), scaled_mm, FP8_TRITON_MAX_ROWS,
                     kernels.fp8.scaled_mm_supported, bound(kernels.rms_norm_fp8), bound(kernels.gated_fp8))  # fmt: skip
+
+
+def _with_pdl(kernel: Callable, pdl_max_rows: int) -> Callable:
+    """`kernel` with the engine's PDL limit bound (`kernels.pdl.pdl_launch`)."""
+    return functools.partial(kernel, pdl_max_rows=pdl_max_rows)
 
 
 def choose_kernels(config: EngineConfig, device: torch.device, attention_backend: str) -> KernelSet:
@@ -108,10 +110,7 @@ def choose_kernels(config: EngineConfig, device: torch.device, attention_backend
         return dataclasses.replace(TORCH_KERNELS, fp8=fp8_gemms(device))
     kernels = importlib.import_module("vlmbatch.kernels")
     pdl = PDL_MAX_BATCH if config.pdl and device.type == "cuda" and kernels.pdl.device_supports_pdl(device.index or 0) else 0
-
-    def bound(kernel: Callable) -> Callable:
-        return functools.partial(kernel, pdl_max_rows=pdl)
-
+    bound = functools.partial(_with_pdl, pdl_max_rows=pdl)
     return KernelSet("triton", bound(kernels.rms_norm), bound(kernels.apply_rotary), bound(kernels.fused_silu_and_mul),
                      bound(kernels.skinny_linear), config.decode_linear, pdl, fp8_gemms(device, pdl),
                      bound(kernels.fused_gelu_tanh_and_mul))

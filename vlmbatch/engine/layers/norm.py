@@ -15,6 +15,8 @@ from vlmbatch.engine.layers.fp8_linear import Fp8Activation, Fp8Linear
 class RMSNorm(nn.Module):
     """`kernel`: a fused add+norm with the same rounding (`KernelSet.rms_norm`), or None for PyTorch."""
 
+    offset = False  # the weight applied as (1 + w): Gemma's (`OffsetRMSNorm`)
+
     def __init__(self, hidden_size: int, eps: float, kernel: Callable | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -26,7 +28,7 @@ class RMSNorm(nn.Module):
         """Hand `linear`, this norm's only consumer, its input already quantized when it is an
         FP8 layer and this norm runs on the Triton kernels (`Fp8Gemms.rms_norm`)."""
         if isinstance(linear, Fp8Linear) and self.kernel is not None:
-            self.fp8_kernel = linear.input_quantizer(linear.gemms.rms_norm, offset=isinstance(self, OffsetRMSNorm))
+            self.fp8_kernel = linear.input_quantizer(linear.gemms.rms_norm, offset=self.offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the decoder keeps the sum as the next residual."""
@@ -48,6 +50,8 @@ class OffsetRMSNorm(RMSNorm):
     with the product in fp32 and one rounding at the end (`Gemma3RMSNorm`), where Llama's
     rounds the normalised value before the weight. `kernel`: the fused norm, called with
     `offset=True`."""
+
+    offset = True
 
     def __init__(self, hidden_size: int, eps: float, kernel: Callable | None = None):
         super().__init__(hidden_size, eps, functools.partial(kernel, offset=True) if kernel is not None else None)
@@ -77,4 +81,4 @@ class HeadNorms:
 
     def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         """(q weight, k weight, eps, offset) as `kernels.apply_rotary` takes them."""
-        return self.q.weight, self.k.weight, self.q.eps, isinstance(self.q, OffsetRMSNorm)
+        return self.q.weight, self.k.weight, self.q.eps, self.q.offset
