@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from vlmbatch.bench.engine import summarize, summary_table
 from vlmbatch.bench.roofline import decode_step_cost
-from vlmbatch.bench.timing import RunResult
+from vlmbatch.bench.timing import RunResult, triton_compiles
 
 
 def _bench_engine(tmp_path, *flags: str, shape: str = "tiny"):
@@ -46,6 +46,7 @@ def test_bench_engine_command_runs_our_engine_and_the_hf_peer_and_skips_vllm_on_
     assert runs["hf-generate-b2"]["requests"] == 3 and runs["hf-generate-b2"]["output_tokens"] == 3 * 128
     assert runs["hf-generate-b2"]["extra"]["batches"] == 2 and runs["hf-generate-b2"]["extra"]["warmup_requests"] == 2
     assert runs["paged"]["output_tokens"] == 4 * 128 and runs["paged"]["extra"]["num_prefill_steps"] >= 1
+    assert runs["paged"]["extra"]["triton_compiles"] == {}  # the torch backend on the CPU compiles no Triton kernel
     assert report["workloads"]["w1"]["prompt_tokens"] == 288
     assert report["async_decoding"]["ok"] and report["async_decoding"]["requests"] >= 2
     assert report["decode_roofline"]["tiny"][0]["batch"] == 2
@@ -256,3 +257,25 @@ def test_bench_step_inputs_times_a_prefill_step_with_its_decoding_rows(tmp_path)
     result = run("tiny", 6, 2, "cpu", tmp_path / "step-inputs.json")
     assert result["decoding_rows"] == 6 and result["rows"] == 7 and result["prompt_tokens"] > 0
     assert json.loads((tmp_path / "step-inputs.json").read_text())["median_ms"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton compiles nothing under the CPU interpreter)")
+def test_triton_compiles_counts_each_new_specialization_of_a_kernel_once():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def double(x_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) * 2, mask=offsets < n)
+
+    x = torch.ones(8, device="cuda")
+    with triton_compiles() as first:
+        double[(1,)](x, 8, BLOCK=8)
+        double[(1,)](x, 8, BLOCK=8)  # the same specialization: compiled once
+    with triton_compiles() as again:
+        double[(1,)](x, 8, BLOCK=8)
+    with triton_compiles() as wider:
+        double[(1,)](x, 8, BLOCK=16)
+    assert first == {"double": 1} and again == {} and wider == {"double": 1}
+    assert torch.equal(x, torch.full((8,), 16.0, device="cuda"))
