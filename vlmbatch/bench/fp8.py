@@ -115,13 +115,38 @@ def simulate_fp8_activations(hf_model: torch.nn.Module, quantization: str, visio
 def vllm_model_folder(folder: Path, quantization: str) -> Path:
     """A copy of the bench model folder whose config.json names the published checkpoint
     format of `quantization` (compressed-tensors per channel for `fp8`, Qwen's block-wise
-    for `fp8-block`): vLLM's dummy loader then builds and runs that format's own layers."""
+    for `fp8-block`): vLLM's dummy loader then builds and runs that format's own layers.
+    The block-wise list of modules left unquantized names each one in full, as Qwen's
+    `-FP8` releases do: vLLM matches those names exactly (session 15: with the short names
+    it quantized the Qwen3-VL tower's 4304-wide MLP and failed to start)."""
     target = folder.with_name(f"{folder.name}-{quantization}")
     shutil.copytree(folder, target, dirs_exist_ok=True)
     config = json.loads((target / "config.json").read_text())
     config["quantization_config"] = quantization_config("fp8-block" if quantization == "fp8-block" else "fp8-dynamic")
+    if quantization == "fp8-block":
+        config["quantization_config"]["modules_to_not_convert"] = unquantized_linear_names(folder)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
+
+
+def unquantized_linear_names(folder: Path) -> list[str]:
+    """The full names (transformers' own) of the model's matrix layers that the block-wise
+    format's ignore list covers: every one inside the vision tower or the projector,
+    `lm_head`, the MoE routers (transformers' router is no `nn.Linear`, vLLM's is). The
+    model is built on the meta device: no weights are made."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    ignored = quantization_config("fp8-block")["modules_to_not_convert"]
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder))
+
+    def covered(name: str) -> bool:
+        return any(name == entry or name.startswith(entry + ".") or name.endswith("." + entry) or f".{entry}." in name
+                   for entry in ignored)
+
+    return [name for name, module in model.named_modules()
+            if not isinstance(module, torch.nn.Embedding) and getattr(module, "weight", None) is not None
+            and module.weight.dim() == 2 and covered(name)]
 
 
 def launch_name(config: Fp8GemmConfig) -> str:
