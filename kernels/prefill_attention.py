@@ -63,7 +63,10 @@ def choose_prefill_config(max_q_len: int, table: dict[int, PrefillConfig] | None
     return table[min((length for length in table if length >= max_q_len), default=max(table))]
 
 
-@triton.jit
+# The block tables' row stride is the step's longest table, which changes from step to step:
+# specialized (Triton keys integers on == 1 and % 16), it compiled new variants in the middle
+# of timed runs (bench's per-pass compile counts, session 15).
+@triton.jit(do_not_specialize=["stride_bt_seq"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -59,3 +59,22 @@ def test_with_vision_the_tower_is_rounded_per_channel_and_without_it_untouched(t
     with torch.no_grad():
         got = projection(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_fp8_folder_for_vllm_names_every_unquantized_layer_in_full(tiny_model_dir, tmp_path):
+    """vLLM matches `modules_to_not_convert` entries against whole module names: a short name
+    such as "visual" leaves the tower quantized (and a 4304-wide MLP then fails to start)."""
+    import json
+    import shutil
+
+    from vlmbatch.bench.fp8 import vllm_model_folder
+
+    folder = shutil.copytree(tiny_model_dir("qwen3_vl_moe"), tmp_path / "model")
+    target = vllm_model_folder(folder, "fp8-block")
+    config = json.loads((target / "config.json").read_text())["quantization_config"]
+    names = set(config["modules_to_not_convert"])
+    model = load_hf_model(str(folder), torch.float32, torch.device("cpu"))
+    tower = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name.startswith("model.visual.")}
+    routers = {f"model.language_model.layers.{i}.mlp.gate" for i in range(model.config.text_config.num_hidden_layers)}
+    assert tower and tower | routers | {"lm_head"} == names
+    assert config["weight_block_size"] == [128, 128] and config["quant_method"] == "fp8"

@@ -47,6 +47,7 @@ def test_bench_engine_command_runs_our_engine_and_the_hf_peer_and_skips_vllm_on_
     assert runs["hf-generate-b2"]["extra"]["batches"] == 2 and runs["hf-generate-b2"]["extra"]["warmup_requests"] == 2
     assert runs["paged"]["output_tokens"] == 4 * 128 and runs["paged"]["extra"]["num_prefill_steps"] >= 1
     assert runs["paged"]["extra"]["triton_compiles"] == {}  # the torch backend on the CPU compiles no Triton kernel
+    assert report["warmup"]["requests"] == 64 and "warm-up: 64 requests" in result.output  # as many as vLLM gets
     assert report["workloads"]["w1"]["prompt_tokens"] == 288
     assert report["async_decoding"]["ok"] and report["async_decoding"]["requests"] >= 2
     assert report["decode_roofline"]["tiny"][0]["batch"] == 2

@@ -8,7 +8,9 @@ checkpoint, the phases run in this order, each recorded even when another fails:
 3. the `generate()` peer on W1/W2, warmed up and timed at each batch size (`bench.peers.hf`);
 4. logits of prefill + forced decode steps per attention backend against `transformers`
    fp32 on the same weights, then asynchronous decoding against awaited steps;
-5. W1 and W2 on our engine (the peers' requests, images and output lengths); with a schema
+5. W1 and W2 on our engine (the peers' requests, images and output lengths), after the same
+   64 warm-up requests vLLM gets (its kernels' first compiles stay out of the timed passes;
+   the report keeps their count); with a schema
    (`structured_schema`), W1 again under it (workload "w1+schema", on vLLM too) and the mask's
    cost per step at `mask_batches` (`bench.structured_w1`);
 6. each workload's floor on this GPU (`bench.floor`: its matmuls at the measured bf16 rate,
@@ -50,7 +52,7 @@ from vlmbatch.bench.structured_w1 import mask_at_batches, mask_row, structured_r
 from vlmbatch.bench.timing import RunResult, run_engine
 from vlmbatch.bench.workloads import W2_OUTPUT_RANGE, Workload, build_workload, workload_prompt_tokens
 
-VLLM_WARMUP_REQUESTS = 64
+WARMUP_REQUESTS = 64  # before the timed passes, on vLLM and on ours: the same W1 requests (seed 99)
 
 
 @dataclass
@@ -366,6 +368,10 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
             echo(f"asynchronous decoding: {asynchronous['equal']}/{asynchronous['requests']} requests with the awaited steps' tokens "
                  f"(two awaited runs: {asynchronous['awaited_repeat_equal']}/{asynchronous['requests']}) "
                  f"-> {'ok' if asynchronous['ok'] else 'FAIL'} {asynchronous['differing'] or ''}")
+        warmup = phases.run("paged-warmup", _timed_run, engine, build_workload("w1", adapter, WARMUP_REQUESTS, seed=99), dtype)
+        if warmup is not None:
+            report["warmup"] = {"requests": warmup.requests, "seconds": warmup.seconds, "triton_compiles": warmup.extra["triton_compiles"]}
+            echo(f"warm-up: {warmup.requests} requests in {warmup.seconds:.1f} s, triton compiles {warmup.extra['triton_compiles']}")
         for name, workload in workloads.items():
             result = phases.run(f"paged-{name}", _timed_run, engine, workload.head(options.requests), dtype)
             if result is not None:
@@ -461,9 +467,9 @@ def _vllm_peer(options: BenchOptions, device: torch.device, folder: Path, adapte
         echo(f"vllm: skipped ({missing})")
         return
     timed = {name: w.head(options.requests) for name, w in workloads.items()}
-    warmup = build_workload("w1", adapter, VLLM_WARMUP_REQUESTS, seed=99)
+    warmup = build_workload("w1", adapter, WARMUP_REQUESTS, seed=99)
     free_before = torch.cuda.mem_get_info(device)[0]
-    echo(f"vllm: {len(timed)} workloads of {options.requests} requests after {VLLM_WARMUP_REQUESTS} warm-up requests, in a child process")
+    echo(f"vllm: {len(timed)} workloads of {options.requests} requests after {WARMUP_REQUESTS} warm-up requests, in a child process")
     structured = {"workload": "w1", "schema": options.structured_schema} if options.structured_schema and "w1" in timed else None
     if options.quantization != "none" and not options.model:  # the same FP8 format as ours, dummy weights
         folder = vllm_model_folder(folder, options.quantization)
