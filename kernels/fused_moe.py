@@ -34,7 +34,7 @@ Rounding follows transformers' module (see `reference.fused_moe_ref`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import quantize_fp8
 from .pdl import follow_previous, launch_options, pdl_launch
 
 FP8_BLOCK = 128  # FP8 expert weights: one scale per 128 x 128 block
@@ -300,17 +301,22 @@ def _prefetch_l2(row_ptrs, row_elems, element_bytes: tl.constexpr, PIECES: tl.co
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, ws_ptr, out_ptr, routing_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, routing_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, num_blocks, N, K, num_experts,
-    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    FP8_A: tl.constexpr = False,
 ):  # fmt: skip
     """out[pair, n] = A[pair // PAIRS_PER_A_ROW] . W[expert(pair), n] over one BLOCK_M block of
     one expert. GATED: W holds [gate; up] (N rows each) and out = SiLU(gate) * up, rounded
     where transformers rounds; WEIGHTED: out = routing[pair] * the product, rounded once.
+    FP8_A (with FP8_W, K steps inside one 128-column group): A is e4m3 too, with one float32
+    scale per row and 128 columns at `as_ptr`; each step's e4m3 product (FP8 tensor cores)
+    is added times its activation and weight scales, as block-wise FP8 checkpoints define
+    the layer (`activation_scheme: dynamic`).
     PAIR_BLOCKS (few tokens, no sort): block b is pair b alone (row 0 of the tile, the other
     rows masked) and `expert_ids_ptr` is the flat top-k ids; sorted_ptr and num_padded_ptr
     are not read, and a pair whose id is outside [0, num_experts) is skipped."""
@@ -362,7 +368,13 @@ def _expert_gemm_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if FP8_W:  # e4m3 weights times their 128x128 block scales, rounded to the activations' dtype
+        if FP8_A:  # e4m3 x e4m3 on the tensor cores; the step's scales applied to its float32 product
+            a_s = tl.load(as_ptr + (pairs // PAIRS_PER_A_ROW).to(tl.int64) * stride_asm + (k * BLOCK_K) // _FP8_BLOCK,
+                          mask=pair_mask, other=0.0)
+            s_ptrs = ws_ptr + expert * stride_wse + (k * BLOCK_K) // _FP8_BLOCK
+            w_s = tl.load(s_ptrs + (offs_n[None, :] // SCALE_ROWS) * stride_wsn, mask=n_mask, other=0.0)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+        elif FP8_W:  # e4m3 weights times their 128x128 block scales, rounded to the activations' dtype
             if BLOCK_K <= _FP8_BLOCK:  # the step lies inside one 128-column block: one row of scales, broadcast
                 s_mask = n_mask
                 s_ptrs = ws_ptr + expert * stride_wse + (k * BLOCK_K) // _FP8_BLOCK
@@ -370,16 +382,21 @@ def _expert_gemm_kernel(
                 s_mask = (offs_k[:, None] < k_left) & n_mask
                 s_ptrs = ws_ptr + expert * stride_wse + (k * BLOCK_K + offs_k[:, None]) // _FP8_BLOCK
             w = (w.to(tl.float32) * tl.load(s_ptrs + (offs_n[None, :] // SCALE_ROWS) * stride_wsn, mask=s_mask, other=0.0)).to(a.dtype)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if not FP8_A:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             if EVEN_K and EVEN_N:
                 w_up = tl.load(w_ptrs + up_offset)
             else:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            if FP8_W:
-                up_scales = tl.load(s_ptrs + ((offs_n[None, :] + N) // SCALE_ROWS) * stride_wsn, mask=s_mask, other=0.0)
-                w_up = (w_up.to(tl.float32) * up_scales).to(a.dtype)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            if FP8_A:
+                up_scales = tl.load(s_ptrs + ((offs_n[None, :] + N) // SCALE_ROWS) * stride_wsn, mask=n_mask, other=0.0)
+                acc_up += tl.dot(a, w_up) * (a_s[:, None] * up_scales)
+            else:
+                if FP8_W:
+                    up_scales = tl.load(s_ptrs + ((offs_n[None, :] + N) // SCALE_ROWS) * stride_wsn, mask=s_mask, other=0.0)
+                    w_up = (w_up.to(tl.float32) * up_scales).to(a.dtype)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
@@ -413,10 +430,14 @@ def _scale_args(weight: torch.Tensor, scales: torch.Tensor | None) -> tuple[torc
 def _launch_expert_gemm(
     a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, routing: torch.Tensor | None, blocks: ExpertBlocks | torch.Tensor,
     n: int, pairs_per_a_row: int, gated: bool, tile: GemmTile, pdl: bool = False, scales: torch.Tensor | None = None,
+    a_scales: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """`blocks`: the sorted expert blocks, or the flat top-k ids for one block a pair
-    (PAIR_BLOCKS, BLOCK_M = tile.mma_rows)."""
+    (PAIR_BLOCKS, BLOCK_M = tile.mma_rows). `a_scales`: `a` is e4m3 with these float32
+    [rows, ceil(K / 128)] scales (FP8 weights only; the tile's K steps then divide 128)."""
     _check_row_major(a, weight)
+    if a_scales is not None and (scales is None or FP8_BLOCK % tile.block_k or isinstance(blocks, torch.Tensor)):
+        raise ValueError(f"e4m3 activations need FP8 weights, grouped blocks and K steps dividing {FP8_BLOCK}, not {tile.block_k}")
     k = weight.shape[-1]
     pair_blocks = isinstance(blocks, torch.Tensor)
     prefetch = 0
@@ -430,37 +451,42 @@ def _launch_expert_gemm(
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
     ws, stride_wse, stride_wsn, scale_rows = _scale_args(weight, scales)
     _expert_gemm_kernel[grid](
-        a, weight, ws, out, routing if routing is not None else out, sorted_pairs, expert_ids, num_padded,
-        out.shape[0], num_blocks, n, k, weight.shape[0],
-        a.stride(0), weight.stride(0), weight.stride(1), stride_wse, stride_wsn, out.stride(0),
+        a, a_scales if a_scales is not None else ws, weight, ws, out, routing if routing is not None else out, sorted_pairs,
+        expert_ids, num_padded, out.shape[0], num_blocks, n, k, weight.shape[0],
+        a.stride(0), a_scales.stride(0) if a_scales is not None else 0, weight.stride(0), weight.stride(1), stride_wse, stride_wsn,
+        out.stride(0),
         PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, WEIGHTED=routing is not None,
         EVEN_K=k % tile.block_k == 0, EVEN_N=n % tile.block_n == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        FP8_W=scales is not None, SCALE_ROWS=scale_rows, PAIR_BLOCKS=pair_blocks, PREFETCH=prefetch,
+        FP8_W=scales is not None, SCALE_ROWS=scale_rows, PAIR_BLOCKS=pair_blocks, PREFETCH=prefetch, FP8_A=a_scales is not None,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )  # fmt: skip
 
 
 def expert_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: GemmTile,
-                   pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
+                   pdl: bool = False, scales: torch.Tensor | None = None, hidden_scales: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """SiLU(x W_gate[e].T) * (x W_up[e].T) for every pair: [tokens * k, intermediate], row
     `token * k + slot`; `w_gate_up` is [experts, 2 * intermediate, hidden] (gate rows first),
-    the layout of transformers' `gate_up_proj`."""
+    the layout of transformers' `gate_up_proj`. `hidden_scales`: `hidden` is e4m3 with these
+    per-128-column scales, and the result is `out_dtype`."""
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     intermediate = w_gate_up.shape[1] // 2
-    act = torch.empty(hidden.shape[0] * top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
-    _launch_expert_gemm(hidden, w_gate_up, act, None, blocks, intermediate, top_k, True, tile, pdl, scales)
+    act = torch.empty(hidden.shape[0] * top_k, intermediate, dtype=out_dtype or hidden.dtype, device=hidden.device)
+    _launch_expert_gemm(hidden, w_gate_up, act, None, blocks, intermediate, top_k, True, tile, pdl, scales, hidden_scales)
     return act
 
 
 def expert_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, blocks: ExpertBlocks, tile: GemmTile,
-                pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
+                pdl: bool = False, scales: torch.Tensor | None = None, act_scales: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """routing weight * (act W_down[e].T) for every pair: [tokens * k, hidden]; `w_down` is
-    [experts, hidden, intermediate] (transformers' `down_proj`)."""
-    out = torch.empty(act.shape[0], w_down.shape[1], dtype=act.dtype, device=act.device)
-    _launch_expert_gemm(act, w_down, out, topk_weights.reshape(-1), blocks, w_down.shape[1], 1, False, tile, pdl, scales)
+    [experts, hidden, intermediate] (transformers' `down_proj`). `act_scales`: `act` is e4m3
+    with these per-128-column scales, and the result is `out_dtype`."""
+    out = torch.empty(act.shape[0], w_down.shape[1], dtype=out_dtype or act.dtype, device=act.device)
+    _launch_expert_gemm(act, w_down, out, topk_weights.reshape(-1), blocks, w_down.shape[1], 1, False, tile, pdl, scales, act_scales)
     return out
 
 
@@ -700,9 +726,12 @@ def fused_moe(
     Capturable in a CUDA graph: no host synchronisation, shapes fixed by the token count.
     `pdl_max_rows`: see `pdl.pdl_launch` (decided once, for the token count, for every kernel here).
     FP8 experts (block-wise checkpoints): float8_e4m3fn weights with float32 `*_scales`
-    [experts, ceil(rows / 128) or rows, ceil(K / 128)]; each weight tile is dequantized in
-    registers (times its block scale, rounded to the activations' dtype) before its product,
-    so decode reads one byte per weight: `reference.fused_moe_fp8_ref`.
+    [experts, ceil(rows / 128) or rows, ceil(K / 128)]. The grouped GEMMs (prefill, larger
+    decode batches) quantize each GEMM's input per token and 128 columns and multiply e4m3 by
+    e4m3 on the tensor cores (`reference.fused_moe_fp8_ref` with `fp8_activations`); the
+    per-pair GEMVs of a few tokens, bound by reading the weights, dequantize each weight tile
+    in registers (times its block scale, rounded to the activations' dtype) and keep the
+    activations as they are (`reference.fused_moe_fp8_ref`).
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
@@ -712,6 +741,19 @@ def fused_moe(
         act = pair_gate_up(hidden, w_gate_up, topk_ids, config.gate_up, pdl, gate_up_scales)
         return token_down(act, w_down, topk_weights, topk_ids, config.down, pdl, down_scales)
     blocks = moe_align(topk_ids, num_experts, config.block_m, pdl)
-    act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up, pdl, gate_up_scales)
-    per_pair = expert_down(act, w_down, topk_weights, blocks, config.down, pdl, down_scales)
+    if gate_up_scales is None:
+        act = expert_gate_up(hidden, w_gate_up, blocks, top_k, config.gate_up, pdl)
+        per_pair = expert_down(act, w_down, topk_weights, blocks, config.down, pdl)
+    else:  # w8a8: each GEMM's input quantized per token and 128 columns, as the checkpoint format says
+        hidden_q, hidden_s = quantize_fp8(hidden, FP8_BLOCK, pdl_max_rows)
+        act = expert_gate_up(hidden_q, w_gate_up, blocks, top_k, fp8_tile(config.gate_up), pdl, gate_up_scales, hidden_s, hidden.dtype)
+        act_q, act_s = quantize_fp8(act, FP8_BLOCK, pdl_max_rows)
+        per_pair = expert_down(act_q, w_down, topk_weights, blocks, fp8_tile(config.down), pdl, down_scales, act_s, hidden.dtype)
     return sum_slots(per_pair, topk_ids, num_experts, pdl)
+
+
+def fp8_tile(tile: GemmTile) -> GemmTile:
+    """A grouped-GEMM tile of the table (measured with bf16 operands) for e4m3 operands: K
+    steps of one whole 128-column scale group, which is the shared memory a bf16 step of 64
+    columns takes, and half the steps (each scaled once)."""
+    return replace(tile, block_k=FP8_BLOCK)

@@ -259,12 +259,32 @@ def fp8_gemm_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: t
 
 def fused_moe_fp8_ref(
     hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    gate_up_scales: torch.Tensor, down_scales: torch.Tensor,
+    gate_up_scales: torch.Tensor, down_scales: torch.Tensor, fp8_activations: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`fused_moe_ref` on FP8 experts: each expert's weight dequantized (float32 product with
-    its block scales) and rounded to the activations' dtype, which is what the kernels
-    compute tile by tile and what the CPU path holds after dequantizing at load."""
-    def dequantized(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return torch.stack([dequantize_fp8_ref(w[e], s[e]) for e in range(w.shape[0])]).to(hidden.dtype)
+    its block scales) and rounded to the activations' dtype, which is what the per-pair
+    kernels compute tile by tile and what the CPU path holds after dequantizing at load.
+    `fp8_activations` (the grouped kernels, w8a8): each GEMM's input is quantized per token
+    and 128 columns too, and both products run in float32 on the dequantized operands; the
+    act between them is rounded to the activations' dtype, as the kernels store it."""
+    def dequantized(w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.stack([dequantize_fp8_ref(w[e], s[e]) for e in range(w.shape[0])]).to(dtype)
 
-    return fused_moe_ref(hidden, dequantized(w_gate_up, gate_up_scales), dequantized(w_down, down_scales), topk_weights, topk_ids)
+    if not fp8_activations:
+        return fused_moe_ref(hidden, dequantized(w_gate_up, gate_up_scales, hidden.dtype), dequantized(w_down, down_scales, hidden.dtype),
+                             topk_weights, topk_ids)  # fmt: skip
+
+    def quantized(x: torch.Tensor) -> torch.Tensor:  # float32 values of x's e4m3 groups
+        q, s = quantize_fp8_ref(x, 128)
+        return dequantize_fp8_ref(q, s)
+
+    num_experts = w_gate_up.shape[0]
+    taken = (topk_ids >= 0) & (topk_ids < num_experts)  # other ids take no expert and add zero
+    ids = topk_ids.clamp(0, num_experts - 1)
+    w_gate_up, w_down = dequantized(w_gate_up, gate_up_scales, torch.float32), dequantized(w_down, down_scales, torch.float32)
+    gate_up = torch.einsum("th,tknh->tkn", quantized(hidden), w_gate_up[ids])  # [tokens, k, 2 * intermediate], float32
+    gate, up = gate_up.to(hidden.dtype).float().chunk(2, dim=-1)
+    act = (F.silu(gate).to(hidden.dtype).float() * up).to(hidden.dtype)
+    down = torch.einsum("tki,tkhi->tkh", quantized(act.flatten(0, 1)).view(act.shape), w_down[ids])  # [tokens, k, hidden], float32
+    per_pair = (down * topk_weights.float()[..., None]).to(hidden.dtype) * taken[..., None]
+    return per_pair.float().sum(dim=1).to(hidden.dtype)

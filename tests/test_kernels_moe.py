@@ -279,31 +279,34 @@ H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB), as the H200 repo
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
 def test_every_tuned_grouped_tile_fits_the_h200s_shared_memory_with_fp8_experts():
     """The tuned table's grouped-GEMM tiles (prefill and large decode batches) were swept on
-    the H200 with bf16 experts; FP8 experts run the same tiles. Compiled for sm_90 with e4m3
-    weights, each must fit in a Hopper block's shared memory (session 14: FP8 experts that
-    gathered a [BLOCK_K, BLOCK_N] tile of scales per K step asked 320 KiB at prefill on the
-    H200 and the engine failed to start)."""
+    the H200 with bf16 experts; FP8 experts run them with e4m3 activations in K steps of 128
+    (`fp8_tile`). Compiled for sm_90 so, each must fit in a Hopper block's shared memory
+    (session 14: FP8 experts that gathered a [BLOCK_K, BLOCK_N] tile of scales per K step
+    asked 320 KiB at prefill on the H200 and the engine failed to start) and multiply e4m3
+    on the tensor cores (wgmma from 64 rows)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from vlmbatch.kernels.fused_moe import TUNED_CONFIGS, _expert_gemm_kernel
+    from vlmbatch.kernels.fused_moe import TUNED_CONFIGS, _expert_gemm_kernel, fp8_tile
 
     tiles = {(config.block_m, gated, tile) for table in TUNED_CONFIGS.values() for config in table.values() if config.block_m > 1
              for gated, tile in ((True, config.gate_up), (False, config.down))}  # fmt: skip
     assert tiles, "the tuned table has no grouped-GEMM tiles"
-    ints = "num_pairs num_blocks N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om"
-    for weights, fp8 in (("*fp8e4nv", dict(FP8_W=True, SCALE_ROWS=128)),):
-        args = {"a_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i32",
-                "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", **dict.fromkeys(ints.split(), "i32")}  # fmt: skip
-        aligned = {(_expert_gemm_kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items()
-                   if kind.startswith("*") or name.startswith("stride") or name in ("N", "K")}  # fmt: skip
-        for block_m, gated, tile in sorted(tiles, key=str):
-            constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True,
-                             DOT_PRECISION="tf32", PDL=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                             GROUP_M=tile.group_m, PAIR_BLOCKS=False, PREFETCH=0, **fp8)  # fmt: skip
-            source = ASTSource(_expert_gemm_kernel, {**args, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
-            kernel = compile(source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
-            assert kernel.metadata.shared <= H200_SHARED_MEMORY, (weights, block_m, gated, tile, kernel.metadata.shared)
+    ints = "num_pairs num_blocks N K num_experts stride_am stride_asm stride_we stride_wn stride_wse stride_wsn stride_om"
+    args = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16",
+            "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", **dict.fromkeys(ints.split(), "i32")}  # fmt: skip
+    aligned = {(_expert_gemm_kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items()
+               if kind.startswith("*") or name.startswith("stride") or name in ("N", "K")}  # fmt: skip
+    for block_m, gated, tile in sorted(tiles, key=str):
+        tile = fp8_tile(tile)
+        constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True,
+                         DOT_PRECISION="tf32", PDL=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                         GROUP_M=tile.group_m, PAIR_BLOCKS=False, PREFETCH=0, FP8_W=True, SCALE_ROWS=128, FP8_A=True)  # fmt: skip
+        source = ASTSource(_expert_gemm_kernel, {**args, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
+        kernel = compile(source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+        assert kernel.metadata.shared <= H200_SHARED_MEMORY, (block_m, gated, tile, kernel.metadata.shared)
+        ptx = kernel.asm["ptx"]
+        assert "e4m3" in ptx and ("wgmma" in ptx if block_m >= 64 else "mma" in ptx), (block_m, gated, tile)
 
 
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
@@ -329,14 +332,14 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
         return pointers | dict.fromkeys(ints.split(), "i32")
 
     for weights, fp8 in (("*bf16", {"FP8_W": False, "SCALE_ROWS": 1}), ("*fp8e4nv", {"FP8_W": True, "SCALE_ROWS": 128})):
-        gemm = signature({"a_ptr": "*bf16", "w_ptr": weights, "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i32",
-                          "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
-                         "num_pairs num_blocks N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
+        gemm = signature({"a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": weights, "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16",
+                          "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"},
+                         "num_pairs num_blocks N K num_experts stride_am stride_asm stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
         for gated, block_m, tile, pair_blocks in [(True, 16, GemmTile(64, 128, 1, 4, 4), False), (False, 64, GemmTile(128, 64, 8, 4, 3), False),
                                                   (True, 16, GemmTile(16, 256, 1, 4, 4, 16), True), (True, 16, GemmTile(64, 128, 1, 4, 4, 16, 8), True)]:  # fmt: skip
             constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True, DOT_PRECISION="tf32",
                              PDL=pair_blocks, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                             PAIR_BLOCKS=pair_blocks, PREFETCH=tile.prefetch, **fp8)  # fmt: skip
+                             PAIR_BLOCKS=pair_blocks, PREFETCH=tile.prefetch, FP8_A=False, **fp8)  # fmt: skip
             ptx = build(_expert_gemm_kernel, gemm | ({"expert_ids_ptr": "*i64"} if pair_blocks else {}), constants,
                         num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
             assert re.search(r"cp\.async\.c[ag]\.shared", ptx) and "mma" in ptx, f"gated={gated} pairs={pair_blocks} {weights}: tiles not pipelined into tensor-core MMAs"
