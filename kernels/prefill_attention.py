@@ -63,10 +63,15 @@ def choose_prefill_config(max_q_len: int, table: dict[int, PrefillConfig] | None
     return table[min((length for length in table if length >= max_q_len), default=max(table))]
 
 
-# The block tables' row stride is the step's longest table, which changes from step to step:
-# specialized (Triton keys integers on == 1 and % 16), it compiled new variants in the middle
-# of timed runs (bench's per-pass compile counts, session 15).
-@triton.jit(do_not_specialize=["stride_bt_seq"])
+# Nothing here that changes from step to step may select a compiled variant: the block
+# tables' row stride (the step's longest table; Triton keys integers on == 1 and % 16) and
+# the addresses of the per-sequence arrays, which a mixed step passes as slices past its
+# decode rows (Triton keys pointers on 16-byte alignment: rows % 4 for int32). Specialized,
+# they compiled two new variants in the middle of every first timed run (the bench's
+# per-pass compile counts, session 15). They are read once per program: no vector loads
+# to gain.
+@triton.jit(do_not_specialize=["stride_bt_seq"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr", "key_ends_ptr"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

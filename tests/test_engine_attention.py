@@ -188,3 +188,32 @@ def test_every_backend_matches_the_reference_in_bf16(name):
     decoded = backend.decode(q1, kv.k_cache, kv.v_cache, meta, scale)
     expected = paged_decode_attention_ref(q1.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, kv.context_lens, scale)
     assert (decoded.float() - expected).norm() / expected.norm() < 1e-2
+
+
+@pytest.mark.gpu  # the interpreter compiles nothing
+def test_prefill_compiles_once_whatever_slices_and_table_widths_a_step_passes():
+    """A mixed step passes the prefill kernel its sequences past the leading decode rows as
+    slices (addresses aligned or not) and block tables as wide as its longest sequence:
+    none of that may compile a new variant mid-run (session 15's first passes compiled two).
+    Each slice computes what the whole step computes for its sequences."""
+    from vlmbatch.bench.timing import triton_compiles
+    from vlmbatch.kernels import PrefillConfig, paged_prefill_attention
+    from vlmbatch.kernels.testing import make_paged_kv
+
+    q_lens, context_lens = [1, 1, 1, 11, 40, 33], [20, 37, 50, 27, 40, 33]
+    kv = make_paged_kv(context_lens, 2, 64, 8, torch.bfloat16, "cuda", seed=7)
+    q = torch.randn(sum(q_lens), 8, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    wider = torch.cat([kv.block_tables, torch.full((len(q_lens), 13), -1, dtype=torch.int32, device="cuda")], dim=1)
+
+    def run(rows: int, tables: torch.Tensor) -> torch.Tensor:
+        return paged_prefill_attention(q, kv.k_cache, kv.v_cache, tables[rows:], cu[rows:], kv.context_lens[rows:], max(q_lens[rows:]),
+                                       0.3, config=PrefillConfig(block_m=64, block_n=32))  # fmt: skip
+
+    whole = run(0, kv.block_tables)
+    with triton_compiles() as compiled:
+        for rows in (1, 2, 3):
+            for tables in (kv.block_tables, wider):
+                first = int(cu[rows])
+                assert torch.equal(run(rows, tables)[first:], whole[first:]), (rows, tables.shape)
+    assert compiled == {}
