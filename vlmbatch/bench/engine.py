@@ -195,7 +195,7 @@ def _phase_row(r: RunResult) -> str:
             f"decode {x['decode_launch_s']:.2f}+{x['decode_wait_s']:.2f} s ({steps} steps: "
             f"{1000 * x['decode_launch_s'] / steps:.2f} ms launch + {1000 * x['decode_wait_s'] / steps:.2f} ms wait), "
             f"host {x['host_s']:.2f} s ({1000 * x['host_s'] / max(1, x['num_steps']):.2f} ms/step)  [launch+wait]; "
-            f"triton compiles {sum(x.get('triton_compiles', {}).values())} {x.get('triton_compiles') or ''}")
+            f"triton compiles {sum(x['triton_compiles'].values())} {x['triton_compiles'] or ''}")
 
 
 def _roofline_row(shape: str, row: dict[str, float]) -> str:
