@@ -136,12 +136,12 @@ def test_every_swept_per_pair_mma_moe_tile_compiles_for_hopper():
         return compile(ASTSource(fn, {**args, **dict.fromkeys(constants, "constexpr")}, constants, aligned), target=GPUTarget("cuda", 90, 64), options=options)
 
     ints = "N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om"
-    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16", "sorted_ptr": "*i64",
-            "expert_ids_ptr": "*i64", "num_padded_ptr": "*i64"} | dict.fromkeys(("num_pairs num_blocks " + ints).split(), "i32")  # fmt: skip
+    gemm = {"a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*bf16", "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16",
+            "sorted_ptr": "*i64", "expert_ids_ptr": "*i64", "num_padded_ptr": "*i64"} | dict.fromkeys(("num_pairs num_blocks stride_asm " + ints).split(), "i32")  # fmt: skip
     down = {"act_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "ids_ptr": "*i64", "routing_ptr": "*bf16", "out_ptr": "*bf16"} | dict.fromkeys(ints.split(), "i32")
     # 2048-column rows of 4 KiB in 8 prefetch pieces; 768-column rows of 1.5 KiB in 2 (`prefetch_pieces`)
     launches = [(_expert_gemm_kernel, gemm, tile, dict(PAIRS_PER_A_ROW=8, GATED=True, WEIGHTED=False, EVEN_K=True, EVEN_N=True, GROUP_M=1,
-                                                       PAIR_BLOCKS=True, PREFETCH=8 if tile.prefetch else 0)) for tile in PAIR_GATE_UP_MMA_TILES]  # fmt: skip
+                                                       PAIR_BLOCKS=True, PREFETCH=8 if tile.prefetch else 0, FP8_A=False)) for tile in PAIR_GATE_UP_MMA_TILES]  # fmt: skip
     launches += [(_token_down_mma_kernel, down, tile, dict(TOP_K=8, SLOTS=8, PREFETCH=2 if tile.prefetch else 0)) for tile in TOKEN_DOWN_MMA_TILES]
     for fn, args, tile, constants in launches:
         constants |= dict(BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION="tf32", PDL=True, FP8_W=False, SCALE_ROWS=1)
