@@ -118,6 +118,7 @@ def test_the_vllm_child_starts_with_the_names_vllm_imports_from_transformers(tmp
 
     env = child_environment({"PYTHONPATH": "/nowhere", "HOME": str(tmp_path)}, [])
     assert env["PYTHONPATH"].split(os.pathsep) == [str(VLLM_SITE), "/nowhere"] and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_USE_DEEP_GEMM"] == "0" and child_environment({"VLLM_USE_DEEP_GEMM": "1"}, [])["VLLM_USE_DEEP_GEMM"] == "1"
     assert child_environment({"PYTHONPATH": "/ours"}, ["/tmp/site-vllm"])["PYTHONPATH"].split(os.pathsep) == [str(VLLM_SITE), "/tmp/site-vllm"]
     probe = ("import torch\n"
              "from transformers.models.pixtral.modeling_pixtral import PixtralRotaryEmbedding, position_ids_in_meshgrid\n"

@@ -55,7 +55,11 @@ from typing import Any
 from vlmbatch.bench.workloads import Workload
 
 # What vLLM 0.26 needs on the lent H200 (../shared/FACTS.md); set unless the caller set them.
-CHILD_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+# Defaults of the child's environment; the caller's own variables win. DeepGEMM off: with it
+# vLLM 0.26 compiles ~800 block-FP8 GEMM kernels at start (~1 s each on the H200, 13 minutes
+# projected, BENCHMARKS.md session 15), past any call's time; its CUTLASS/Triton block-FP8
+# kernels run instead (VLLM_USE_DEEP_GEMM=1 in the environment brings DeepGEMM back).
+CHILD_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_DEEP_GEMM": "0"}
 VLLM_SITE = Path(__file__).with_name("vllm_site")  # sitecustomize.py for the child's processes
 
 
