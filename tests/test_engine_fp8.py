@@ -152,6 +152,31 @@ def test_online_fp8_matches_transformers_with_the_round_tripped_weights(tiny_mod
     assert engine.model.decoder.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # dequantized on the CPU
 
 
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "internvl", "gemma3", "llava_next", "llava_onevision",
+                                  "idefics3", "smolvlm"])  # fmt: skip
+def test_online_fp8_of_every_family_matches_transformers_with_the_round_tripped_weights(tiny_model_dir, arch, quantization):
+    """`--quantization fp8|fp8-block` on each family's decoder (Gemma 3's offset norms and
+    tied embeddings, Qwen3's head norms, MoE experts, the Llama/Mistral/Qwen2 decoders of
+    the others): greedy tokens equal transformers' with every decoder projection (and
+    expert) replaced by its fp8 round trip in that layout (`bench.fp8.round_trip_fp8_layers`,
+    whose per-channel round trip the Qwen2.5-VL test above writes out by hand), the towers
+    untouched. Six requests: with three, one family's unquantized engine matched the
+    round-tripped reference too (the tokens of a tiny model move little), with six none."""
+    from vlmbatch.bench.fp8 import round_trip_fp8_layers
+
+    torch.set_num_threads(1)
+    path = tiny_model_dir(arch)
+    reference = load_hf_model(str(path), torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        assert round_trip_fp8_layers(reference, quantization) > 0
+    adapter = load_adapter(str(path))
+    engine = PagedEngine(adapter, EngineConfig(**ENGINE, quantization=quantization))
+    prepared, outputs = run_greedy(engine, adapter, build_requests(adapter, arch, 6, seed=11))
+    for request_id, (prompt, max_tokens) in prepared.items():
+        assert outputs[request_id].outputs[0].token_ids == hf_greedy(reference, adapter, prompt, max_tokens), (arch, request_id)
+
+
 def test_published_quantization_configs_parse():
     block = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
              "modules_to_not_convert": ["lm_head", "model.visual"]}  # fmt: skip
@@ -247,6 +272,19 @@ def test_fp8_kv_cache_on_the_torch_backend(tiny_model_dir):
     _, outputs = run_greedy(fp8, adapter, build_requests(adapter, "qwen2_5_vl", 3, seed=2))
     assert len(outputs) == 3 and all(o.outputs[0].token_ids for o in outputs.values())
     assert fp8.runner.kv_caches[0][0].float().abs().sum() > 0
+
+
+def test_fp8_kv_cache_holds_gemma3s_sliding_and_global_groups_in_e4m3(tiny_model_dir):
+    """Gemma 3 keeps its sliding layers' KV in groups of their own (`kv_groups`): with an FP8
+    cache every group is e4m3, written by the requests, which all finish with tokens (prompts
+    past the sliding window included)."""
+    adapter = load_adapter(str(tiny_model_dir("gemma3")))
+    engine = PagedEngine(adapter, EngineConfig(**{**ENGINE, "num_kv_blocks": None}, kv_cache_dtype="fp8"))
+    assert engine.runner.kv_layout.num_groups > 1
+    _, outputs = run_greedy(engine, adapter, build_requests(adapter, "gemma3", 4, seed=3))
+    assert len(outputs) == 4 and all(o.outputs[0].token_ids for o in outputs.values())
+    caches = [cache for layer in engine.runner.kv_caches for cache in layer]
+    assert all(cache.dtype == torch.float8_e4m3fn for cache in caches) and all(cache.float().abs().sum() > 0 for cache in caches)
 
 
 def test_submit_refuses_an_unsupported_checkpoint_format(fp8_dir, tmp_path):

@@ -52,7 +52,7 @@ def _fp8_modules(hf_model: torch.nn.Module, vision: bool = False) -> Iterator[tu
     also ("vision", module) for every other linear layer of `hf_model.model` (the tower and
     projector) but patch embeddings, as `quantize_vision` converts them
     (`engine.fp8_loading.quantize_linears`: always per channel)."""
-    language_model = hf_model.model.language_model
+    language_model = hf_model.get_decoder()  # `language_model`, or `text_model` (Idefics3, SmolVLM)
     for name, module in language_model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1].endswith("_proj") and ".layers." in f".{name}":
             yield "linear", module
