@@ -414,9 +414,9 @@ def test_sharded_fp8_checkpoint_streams_one_layer_at_a_time(fp8_dir, tiny_model_
     assert held_between_layers == [0] * len(layers) and checkpoint.host_bytes == 0  # nothing kept past its layer
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "llava", "idefics3", "gemma3", "internvl"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "llava", "idefics3", "gemma3", "internvl", "qwen2_vl", "llava_next", "llava_onevision", "smolvlm"])
 def test_fp8_checkpoint_of_each_decoder_layout_matches_the_dequantized_reference(fp8_dir, tiny_model_dir, arch, monkeypatch):
-    """The other decoder layouts (q/k norms, Llama and Gemma 3 layers, tied embeddings) and
+    """Every other family's decoder layout (q/k norms; Llama, Mistral, Qwen2 and Gemma 3 layers; tied embeddings) and
     checkpoint prefixes (`language_model.model.`, `model.text_model.`): streamed, and the
     same greedy tokens as the original model with the dequantized weights written into it."""
     torch.set_num_threads(1)
