@@ -18,6 +18,8 @@ def bench_tower(
                                                           "time (CPU ops on the CPU), printed and in the JSON."),
     sdpa_backends: str = typer.Option("", "--sdpa-backends", help="Also time ours with PyTorch's SDPA held to each of these "
                                       "backends, comma-separated: flash, cudnn, efficient, math."),
+    quantize_vision: bool = typer.Option(False, "--quantize-vision", help="Also time ours with its linear layers in FP8, as "
+                                         "`--quantization fp8 --quantize-vision` runs the tower (FP8 GEMMs need a GPU of SM 8.9+)."),
 ) -> None:
     """ms per image, TFLOP/s and the relative error of our vision tower and transformers', for
     shapes whose family has a tower of ours (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; SigLIP:
@@ -36,7 +38,7 @@ def bench_tower(
     unknown = [b for b in backends if b not in SDPA_BACKENDS]
     if unknown:
         raise typer.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SDPA_BACKENDS)}", param_hint="--sdpa-backends")
-    run(model_shape, images, resolve_device(device), json_out, profile, backends)
+    run(model_shape, images, resolve_device(device), json_out, profile, backends, quantize_vision)
 
 
 def register(bench_app: typer.Typer) -> None:

@@ -62,3 +62,17 @@ def test_bench_tower_runs_the_siglip_families(tmp_path, shape, family):
 def test_bench_tower_refuses_an_unknown_sdpa_backend():
     result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny_gemma3", "--device", "cpu", "--sdpa-backends", "fa9"])
     assert result.exit_code == 2 and "unknown fa9" in result.output
+
+
+def test_bench_tower_times_ours_in_fp8_as_quantize_vision_builds_it(tmp_path):
+    """`--quantize-vision` on the tiny Qwen2.5-VL shape (CPU: the tower's weights round-tripped
+    through e4m3 per channel): a row of its own whose error against transformers' tower is
+    FP8's rounding, above fp32's and within e4m3's relative half ulp (2^-4)."""
+    out = tmp_path / "tower.json"
+    result = CliRunner().invoke(app, ["bench", "tower", "--model-shape", "tiny", "--images", "2", "--device", "cpu",
+                                      "--json", str(out), "--quantize-vision"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    fp8 = report["vlmbatch fp8"]
+    assert report["relative_error"] <= 1e-5 and 1e-4 < fp8["relative_error"] < 2.0**-4
+    assert fp8["ms_per_image"] > 0 and "vlmbatch fp8" in result.output

@@ -1,7 +1,7 @@
 """`vlmbatch bench tower`: our vision tower against `transformers`' on the same weights and images.
 
     vlmbatch bench tower [--model-shape qwen3_vl_8b] [--images 64] [--device auto] [--json bench-out/tower.json] [--profile]
-                         [--sdpa-backends flash,cudnn,efficient]
+                         [--sdpa-backends flash,cudnn,efficient] [--quantize-vision]
 
 One `transformers` model of the shape with random weights (bf16 on a GPU, fp32 on the
 CPU; its language model dropped once built); our tower (the family's `tower_class`) is
@@ -15,6 +15,10 @@ the merged features, then each DeepStack level), which should be bf16 rounding. 
 adds one profiled call of each: its top kernels by device time (what shows whether the
 copies around attention are gone). `--sdpa-backends` also times ours with PyTorch's SDPA
 held to each named backend (flash, cudnn, efficient, math), with its error.
+`--quantize-vision` also times a copy of ours with its linear layers in FP8 as the engine's
+`quantize_vision` builds it (per-channel weights, per-token activations; on the GPU the
+FP8 GEMMs, on the CPU the dequantized weights), with its error against `transformers`'
+bf16 tower, which is FP8's rounding rather than bf16's.
 
 The SigLIP families (Gemma 3, LLaVA-OneVision, Idefics3/SmolVLM: `engine/layers/siglip.py`;
 InternVL's InternViT, `engine/layers/internvit.py`, its variant with a CLS token)
@@ -42,6 +46,7 @@ import torch
 from vlmbatch.bench.shapes import SHAPES, ModelShape, ShapeError
 
 TIMED_CALLS = 5
+FP8_ROW = "vlmbatch fp8"  # ours with `quantize_vision`
 WORKLOAD_SEED = 7
 
 
@@ -95,17 +100,19 @@ def w1_batch(path: Path, images: int, dtype: torch.dtype, device: torch.device) 
 
 
 def _qwen_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, images: int, dtype: torch.dtype,
-                  device: torch.device, kernels: Any) -> dict[str, Any]:
+                  device: torch.device, kernels: Any, fp8: bool) -> dict[str, Any]:
     pixels, grids = w1_batch(path, images, dtype, device)
     tower = tower_class(shape.family).from_hf(hf_model.model.visual, device, dtype, kernels)
     grids_on_device = grids.to(device)
+    fp8_tower = _in_fp8(tower_class(shape.family).from_hf(hf_model.model.visual, device, dtype, kernels), kernels, dtype) if fp8 else None
     return {"ours": lambda: tower(pixels, grids), "theirs": lambda: transformers_features(hf_model, pixels, grids_on_device),
+            "ours_fp8": fp8_tower and (lambda: fp8_tower(pixels, grids)),
             "levels": 1 + len(getattr(hf_model.config.vision_config, "deepstack_visual_indexes", None) or []),
             "patches": int(grids.prod(-1).sum()), "grids": sorted({tuple(g) for g in grids.tolist()})}
 
 
 def _siglip_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, images: int, dtype: torch.dtype,
-                    device: torch.device, kernels: Any) -> dict[str, Any]:
+                    device: torch.device, kernels: Any, fp8: bool) -> dict[str, Any]:
     """Every tile of the W1 images through both SigLIP towers, as the family hands them over."""
     model_class = _engine_model(shape.family)
     pixels = torch.cat([item.tensors["pixel_values"].reshape(-1, *item.tensors["pixel_values"].shape[-3:])
@@ -115,9 +122,19 @@ def _siglip_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, im
         theirs = type(getattr(hf_model.model, model_class.siglip_attr)).__name__
         raise ShapeError(f"{shape.name}: its vision tower ({theirs}) is not one ours rebuilds")
     patch = tower.embeddings.patch
+    fp8_tower = _in_fp8(model_class.siglip_from_hf(hf_model, device, dtype), kernels, dtype) if fp8 else None
     return {"ours": lambda: tower(pixels), "theirs": lambda: model_class.transformers_hidden(hf_model, pixels), "levels": 1,
+            "ours_fp8": fp8_tower and (lambda: fp8_tower(pixels)),
             "patches": len(pixels) * (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch), "tiles": len(pixels),
             "grids": [(len(pixels), pixels.shape[-2] // patch, pixels.shape[-1] // patch)]}
+
+
+def _in_fp8(tower: torch.nn.Module, kernels: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """`tower` as the engine's `quantize_vision` converts it."""
+    from vlmbatch.engine.fp8_loading import quantize_vision_modules
+
+    quantize_vision_modules([tower], kernels, dtype)
+    return tower
 
 
 # `--sdpa-backends` names -> PyTorch's SDPA backends (`torch.nn.attention.SDPBackend`)
@@ -188,9 +205,9 @@ def top_kernels(encode, device: torch.device, top: int = 16) -> list[dict[str, A
 
 @torch.no_grad()
 def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profile: bool = False,
-                    sdpa_backends: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Both towers on one W1 batch of `images`, ours also under each of `sdpa_backends`;
-    the report `run` prints and writes."""
+                    sdpa_backends: tuple[str, ...] = (), quantize_vision: bool = False) -> dict[str, Any]:
+    """Both towers on one W1 batch of `images`, ours also under each of `sdpa_backends` and,
+    with `quantize_vision`, in FP8; the report `run` prints and writes."""
     from vlmbatch.bench.shapes import random_hf_model, write_model_folder
     from vlmbatch.config import EngineConfig
     from vlmbatch.engine.attention import resolve_backend
@@ -209,7 +226,7 @@ def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profil
         hf_model.lm_head = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        run = subject(shape, hf_model, path, images, dtype, device, kernels)
+        run = subject(shape, hf_model, path, images, dtype, device, kernels, quantize_vision)
     theirs, ours, levels = run["theirs"](), run["ours"](), run["levels"]
     errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(ours.chunk(levels, -1), theirs.chunk(levels, -1))]
     del ours, theirs
@@ -224,6 +241,8 @@ def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profil
     }
     report["speedup"] = report["transformers"]["median_ms"] / report["vlmbatch"]["median_ms"]
     variants = {f"vlmbatch sdpa={name}": with_sdpa_backend(run["ours"], name) for name in sdpa_backends}
+    if run["ours_fp8"] is not None:
+        variants[FP8_ROW] = run["ours_fp8"]
     for name, encode in variants.items():
         try:
             report[name] = time_tower(encode, device, images)
@@ -239,17 +258,17 @@ def run_tower_bench(shape: ModelShape, images: int, device: torch.device, profil
 
 
 def run(shape: ModelShape, images: int, device: torch.device, json_out: Path | None, profile: bool = False,
-        sdpa_backends: tuple[str, ...] = ()) -> dict[str, Any]:
+        sdpa_backends: tuple[str, ...] = (), quantize_vision: bool = False) -> dict[str, Any]:
     """The command: the bench, its table on stdout, the report written to `json_out`."""
     from rich.console import Console
     from rich.table import Table
 
-    report = run_tower_bench(shape, images, device, profile, sdpa_backends)
+    report = run_tower_bench(shape, images, device, profile, sdpa_backends, quantize_vision)
     table = Table(title=f"vision tower: {shape.name}, {images} W1 images ({report['patches']:,} patches), "
                         f"{report['dtype']} on {report['device_name']}")
     for column in ("tower", "ms / image", "ms / batch", "GFLOP / image", "TFLOP/s", "speed-up"):
         table.add_column(column, justify="right")
-    for name in ("transformers", "vlmbatch", *(f"vlmbatch sdpa={b}" for b in sdpa_backends)):
+    for name in ("transformers", "vlmbatch", *(f"vlmbatch sdpa={b}" for b in sdpa_backends), *([FP8_ROW] if quantize_vision else [])):
         row = report[name]
         if "error" in row:
             table.add_row(name, row["error"][:60], "", "", "", "")

@@ -82,6 +82,16 @@ def experts_in_fp8(moe: nn.Module, parts: list[list[Part]], kernels: KernelSet, 
         moe.down[expert].copy_(dequantize(dw.to(device), ds.to(device), dtype))
 
 
+def quantize_vision_modules(roots: list[nn.Module], kernels: KernelSet, dtype: torch.dtype) -> int:
+    """`quantize_vision`: the towers' linear layers in FP8 (`quantize_linears`), and the
+    blocks that can (Qwen2.5-VL's) taking their FP8 inputs quantized by the norms and the
+    activation before them; returns how many layers were converted."""
+    converted = quantize_linears(roots, kernels, dtype)
+    for block in (m for root in roots for m in root.modules() if hasattr(m, "emit_fp8_inputs")):
+        block.emit_fp8_inputs()
+    return converted
+
+
 @torch.no_grad()
 def quantize_linears(roots: list[nn.Module], kernels: KernelSet, dtype: torch.dtype) -> int:
     """Online per-channel FP8 for every `nn.Linear` under `roots` (the vision tower with

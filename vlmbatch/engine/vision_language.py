@@ -28,7 +28,7 @@ from torch import nn
 
 from vlmbatch.engine.decoder import Decoder, DecoderSpec
 from vlmbatch.engine.dummy_weights import materialize
-from vlmbatch.engine.fp8_loading import quantize_linears
+from vlmbatch.engine.fp8_loading import quantize_vision_modules
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
@@ -113,9 +113,7 @@ class VisionLanguageModel(ABC):
             torch.cuda.empty_cache()
         model = cls(hf_model, decoder, kernels, image_decoder)
         if fp8 is not None and fp8.quantize_vision:
-            log.info("fp8: %d vision linear layers converted", quantize_linears(model.vision_modules(), kernels, dtype))
-            for block in (m for root in model.vision_modules() for m in root.modules() if hasattr(m, "emit_fp8_inputs")):
-                block.emit_fp8_inputs()  # a tower's blocks that take their FP8 inputs quantized (Qwen2.5-VL's)
+            log.info("fp8: %d vision linear layers converted", quantize_vision_modules(model.vision_modules(), kernels, dtype))
         return model
 
     def vision_modules(self) -> list[nn.Module]:
