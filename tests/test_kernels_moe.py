@@ -277,20 +277,22 @@ H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB), as the H200 repo
 
 
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
-def test_every_tuned_grouped_tile_fits_the_h200s_shared_memory_with_fp8_experts():
+def test_every_grouped_tile_fits_the_h200s_shared_memory_with_fp8_experts():
     """The tuned table's grouped-GEMM tiles (prefill and large decode batches) were swept on
-    the H200 with bf16 experts; FP8 experts run them with e4m3 activations in K steps of 128
-    (`fp8_tile`). Compiled for sm_90 so, each must fit in a Hopper block's shared memory
+    the H200 with bf16 experts, the defaults for unswept shapes never; FP8 experts run both
+    with e4m3 activations in K steps of 128 (`fp8_tile`). Compiled for sm_90 so, each must
+    fit in a Hopper block's shared memory
     (session 14: FP8 experts that gathered a [BLOCK_K, BLOCK_N] tile of scales per K step
     asked 320 KiB at prefill on the H200 and the engine failed to start) and multiply e4m3
     on the tensor cores (wgmma from 64 rows)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from vlmbatch.kernels.fused_moe import TUNED_CONFIGS, _expert_gemm_kernel, fp8_tile
+    from vlmbatch.kernels.fused_moe import TUNED_CONFIGS, _expert_gemm_kernel, default_config, fp8_tile
 
-    tiles = {(config.block_m, gated, tile) for table in TUNED_CONFIGS.values() for config in table.values() if config.block_m > 1
-             for gated, tile in ((True, config.gate_up), (False, config.down))}  # fmt: skip
+    defaults = [default_config(tokens, 128, 8) for tokens in (16, 64, 512, 4096)]  # shapes never swept
+    tiles = {(config.block_m, gated, tile) for config in [*defaults, *(c for table in TUNED_CONFIGS.values() for c in table.values())]
+             if config.block_m > 1 for gated, tile in ((True, config.gate_up), (False, config.down))}  # fmt: skip
     assert tiles, "the tuned table has no grouped-GEMM tiles"
     ints = "num_pairs num_blocks N K num_experts stride_am stride_asm stride_we stride_wn stride_wse stride_wsn stride_om"
     args = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "routing_ptr": "*bf16",
