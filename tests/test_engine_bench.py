@@ -149,7 +149,7 @@ def test_workload_floor_counts_every_matmul_and_the_decode_steps_kv_reads(tiny_q
     workload = Workload("w2", 28, prompt, [Request("", [], [], n) for n in outputs])
     ceilings = {"matmul_flops_per_s": 1e12, "copy_bytes_per_s": 1e11}
 
-    floor = workload_floor(engine, workload, ceilings, vision_per_request=7e6)
+    floor = workload_floor(engine, workload, ceilings, vision_per_request=(7e6, 0.0))
 
     layers, heads, kv_heads, dim = text.num_hidden_layers, decoder.layers[0].self_attn.num_heads, decoder.num_kv_heads, decoder.head_dim
     decode_contexts = [c for n in outputs for c in range(prompt + 1, prompt + n)]
@@ -162,15 +162,63 @@ def test_workload_floor_counts_every_matmul_and_the_decode_steps_kv_reads(tiny_q
     tokens = sum(prompt + n - 1 for n in outputs)
     assert 2 * linear_weights * tokens <= parts["linear"] <= 1.1 * 2 * linear_weights * tokens  # the norms' weights count too
     assert floor["kv_read_bytes"] == sum(layers * 2 * kv_heads * dim * 4 * c for c in decode_contexts)
-    assert floor["seconds"] == pytest.approx(sum(parts.values()) / 1e12 + floor["kv_read_bytes"] / 1e11)
+    assert floor["fp8_flops"] == 0 and floor["seconds"] == pytest.approx(sum(parts.values()) / 1e12 + floor["kv_read_bytes"] / 1e11)
     assert floor["max_requests_per_s"] == pytest.approx(2 / floor["seconds"])
 
     window = 12  # a sliding first layer (Gemma 3's kind): it attends to, and reads, its window only
     decoder.layers[0].self_attn.window = window
-    windowed = workload_floor(engine, workload, ceilings, vision_per_request=7e6)
+    windowed = workload_floor(engine, workload, ceilings, vision_per_request=(7e6, 0.0))
     per_layer = 4 * heads * dim
     assert windowed["flops_by_part"]["attention"] == sum(per_layer * (min(c, window) + (layers - 1) * c) for c in contexts)
     assert windowed["kv_read_bytes"] == sum(2 * kv_heads * dim * 4 * (min(c, window) + (layers - 1) * c) for c in decode_contexts)
+
+
+def test_workload_floor_takes_the_fp8_products_at_the_fp8_rate(tiny_model_dir):
+    """A decoder built in FP8 (`Fp8Linear` projections, e4m3 experts, as `load_format="dummy"`
+    builds it where FP8 GEMMs run): its projections' and top-k experts' FLOPs and the tower's
+    FP8 ones go at the FP8 rate, everything else at bf16's; the FLOPs are those of the same
+    decoder in bf16."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from vlmbatch.bench.floor import fp8_flops_per_token, workload_floor
+    from vlmbatch.bench.workloads import Request, Workload
+    from vlmbatch.engine.decoder import Decoder
+    from vlmbatch.engine.dummy_weights import materialize
+    from vlmbatch.engine.kernel_choice import TORCH_KERNELS, Fp8Gemms
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
+    from vlmbatch.engine.layers.rotary import RotaryEmbedding
+    from vlmbatch.families.registry import FAMILIES
+    from vlmbatch.kernels import fp8 as fp8_kernels
+    from vlmbatch.quantization import online_scheme
+
+    text = AutoConfig.from_pretrained(tiny_model_dir("qwen3_vl_moe")).text_config
+    spec = FAMILIES["qwen3_vl_moe"].parts().ENGINE_MODEL.decoder_spec(text)
+    gemms = Fp8Gemms(*(None,) * 4, fp8_kernels.scaled_mm_supported, None, None)  # never called: the floor runs nothing
+    kernels = dataclasses.replace(TORCH_KERNELS, name="triton", fp8=gemms)  # "triton": the experts are the fused kernels' (FP8)
+
+    def decoder(scheme):
+        with torch.device("meta"):
+            built = Decoder(text, RotaryEmbedding(torch.ones(8)), spec, kernels)
+        materialize(built, torch.device("cpu"), torch.float32, scheme, kernels)
+        return built
+
+    fp8, plain = decoder(online_scheme("fp8-block")), decoder(None)
+    projections = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
+    moe = fp8.layers[0].mlp
+    assert projections and moe.fp8_scales
+    per_token = 2 * sum(m.weight.numel() for m in projections) + 2 * len(fp8.layers) * moe.top_k * (moe.gate_up[0].numel() + moe.down[0].numel())
+    assert fp8_flops_per_token(fp8) == per_token and fp8_flops_per_token(plain) == 0
+    workload = Workload("w1", 28, 10, [Request("", [], [], n) for n in (3, 5)])
+    ceilings = {"matmul_flops_per_s": 1e12, "fp8_matmul_flops_per_s": 2e12, "copy_bytes_per_s": 1e11}
+    floors = [workload_floor(SimpleNamespace(model=SimpleNamespace(decoder=d), runner=SimpleNamespace(kv_dtype=torch.float32)),
+                             workload, ceilings, (7e6, 3e6)) for d in (fp8, plain)]  # fmt: skip
+    ours, bf16 = floors
+    fp8_flops = per_token * sum(10 + n - 1 for n in (3, 5)) + 3e6 * 2
+    assert ours["flops"] == bf16["flops"] and ours["fp8_flops"] == fp8_flops and bf16["fp8_flops"] == 3e6 * 2
+    assert ours["seconds"] == pytest.approx((ours["flops"] - fp8_flops) / 1e12 + fp8_flops / 2e12 + ours["kv_read_bytes"] / 1e11)
 
 
 def test_decode_step_cost_of_a_mixture_of_experts_counts_the_experts_a_batch_reads():

@@ -15,7 +15,7 @@ checkpoint, the phases run in this order, each recorded even when another fails:
    cost per step at `mask_batches` (`bench.structured_w1`);
 6. each workload's floor on this GPU (`bench.floor`: its matmuls at the measured bf16 rate,
    its decode steps' KV reads at the measured copy bandwidth), which the closing table
-   turns into ours and vLLM as shares of it (not with `--quantization`);
+   turns into ours and vLLM as shares of it (FP8 products at the measured FP8 rate);
 7. decode-step time against the roofline at a few batch sizes, for this and other shapes.
 The report (JSON) is saved after every phase; it ends with our rate, each peer's, and the
 ratios ours / vLLM and ours / the best `generate()` batch size.
@@ -324,7 +324,9 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         if "vllm" in options.peers:
             phases.run("peer-vllm", _vllm_peer, options, device, folder, adapter, workloads, Path(tmp), env or {}, report, record, echo)
         ceilings = report["ceilings"] = measure_ceilings(device)
-        echo(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+        fp8_rate = f", fp8 matmul {ceilings['fp8_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s" if "fp8_matmul_flops_per_s" in ceilings else ""
+        echo(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s"
+             f"{fp8_rate}")
         reduced = None
         if options.reference_layers and shape is not None:
             reduced = phases.run("correctness-reduced", _reduced_correctness, shape, options, Path(tmp), dtype, device, ceilings)
@@ -379,11 +381,10 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         if options.structured_schema is not None and "w1" in workloads:
             phases.run("paged-w1-schema", _structured_phases, engine, workloads["w1"].head(options.requests), dtype, options, report,
                        record, echo)
-        if options.quantization == "none":  # the floor takes every matmul at the bf16 rate
-            floors = phases.run("floor", _floors, engine, {name: workloads[name].head(options.requests) for name in options.workloads},
-                                ceilings, dtype)
-            if floors is not None:
-                report["floors"] = floors
+        floors = phases.run("floor", _floors, engine, {name: workloads[name].head(options.requests) for name in options.workloads},
+                            ceilings, dtype)
+        if floors is not None:
+            report["floors"] = floors
         owned = [engine]  # handed over: each other shape's engine is built once this one is freed
         del engine
         _rooflines(owned, [shape, *extra_shapes], options, Path(tmp), dtype, device, ceilings, report, phases, echo)

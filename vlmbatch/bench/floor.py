@@ -1,6 +1,8 @@
 """The floor of a workload on this GPU: the least time any engine could take for it.
 
-Every matmul of the run at the measured bf16 matmul rate, plus the KV cache the decode
+Every matmul of the run at the measured bf16 matmul rate (an FP8 one at the measured FP8
+rate: the decoder's FP8 projections and experts, a tower's `torch._scaled_mm` products),
+plus the KV cache the decode
 steps must read at the measured copy bandwidth, and nothing else costing time (no host
 work, no elementwise passes, no launch gaps). The matmuls are the decoder's linear layers
 for every prompt token and every decoded token (a mixture of experts: the top-k experts
@@ -26,23 +28,39 @@ from vlmbatch.bench.workloads import Workload
 VISION_SAMPLE = 4  # requests whose media one counted encode covers
 
 
-def vision_flops_per_request(engine, workload: Workload, dtype: torch.dtype) -> float:
-    """FLOPs of the vision tower per request, from one encode of the first requests' media."""
+def vision_flops_per_request(engine, workload: Workload, dtype: torch.dtype) -> tuple[float, float]:
+    """FLOPs of the vision tower per request, and how many of them are FP8 products (a tower
+    in FP8 runs its large products through `torch._scaled_mm`), from one encode of the first
+    requests' media."""
     from torch.utils.flop_counter import FlopCounterMode
 
     prompts = adapt.engine_prompts(workload.head(VISION_SAMPLE), engine.adapter, dtype)
     if not any(p.media for p in prompts):
-        return 0.0
+        return 0.0, 0.0
     adapt.clear_encoder_cache(engine)  # counted only if the tower runs
     counter = FlopCounterMode(display=False)
     with counter:
         adapt.encode_images(engine, prompts)
-    return counter.get_total_flops() / len(prompts)
+    fp8 = counter.get_flop_counts().get("Global", {}).get(torch.ops.aten._scaled_mm, 0)
+    return counter.get_total_flops() / len(prompts), fp8 / len(prompts)
 
 
-def workload_floor(engine, workload: Workload, ceilings: dict[str, float], vision_per_request: float) -> dict[str, Any]:
-    """The floor of `workload` on the engine's model: its FLOPs and KV bytes by part, the
-    seconds they take at `ceilings` and the most requests/s that allows."""
+def fp8_flops_per_token(decoder) -> float:
+    """FLOPs per token of the decoder's FP8 products: its `Fp8Linear` projections and, of
+    an FP8 mixture of experts, the top-k experts."""
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
+    from vlmbatch.engine.layers.moe import FusedMoE
+
+    flops = 2 * sum(m.weight.numel() for m in decoder.modules() if isinstance(m, Fp8Linear))
+    for moe in (m for m in decoder.modules() if isinstance(m, FusedMoE) and m.fp8_scales):
+        flops += 2 * moe.top_k * (moe.gate_up[0].numel() + moe.down[0].numel())
+    return flops
+
+
+def workload_floor(engine, workload: Workload, ceilings: dict[str, float], vision_per_request: tuple[float, float]) -> dict[str, Any]:
+    """The floor of `workload` on the engine's model: its FLOPs (and how many of them are
+    FP8) and KV bytes by part, the seconds they take at `ceilings` and the most requests/s
+    that allows. `vision_per_request`: the tower's FLOPs per request, and its FP8 ones."""
     decoder = adapt.decoder(engine)
     _, per_token = decode_step_cost(decoder, batch=1, context=0)  # linear layers (top-k experts) and, untied, the LM head
     lm_head = 2 * decoder.lm_head.weight.numel()
@@ -58,18 +76,23 @@ def workload_floor(engine, workload: Workload, ceilings: dict[str, float], visio
         return sum(4 * q_width * _context_sum(first, last, window) for window in windows)
 
     prompt = workload.prompt_tokens
-    parts = {"linear": 0.0, "lm_head": 0.0, "attention": 0.0, "vision": vision_per_request * len(workload.requests)}
+    vision, vision_fp8 = vision_per_request
+    parts = {"linear": 0.0, "lm_head": 0.0, "attention": 0.0, "vision": vision * len(workload.requests)}
+    fp8_flops, fp8_per_token = vision_fp8 * len(workload.requests), fp8_flops_per_token(decoder)
     kv_bytes = 0.0
     for request in workload.requests:
         decoded = request.output_tokens - 1  # the first output token comes from the prompt's last position
         parts["linear"] += linear * (prompt + decoded)
+        fp8_flops += fp8_per_token * (prompt + decoded)
         parts["lm_head"] += lm_head * request.output_tokens
         parts["attention"] += attention(1, prompt) + attention(prompt + 1, prompt + decoded)
         kv_bytes += kv_per_token / len(windows) * sum(_context_sum(prompt + 1, prompt + decoded, window) for window in windows)
     flops = sum(parts.values())
-    seconds = flops / ceilings["matmul_flops_per_s"] + kv_bytes / ceilings["copy_bytes_per_s"]
-    return {"requests": len(workload.requests), "flops": flops, "flops_by_part": parts, "kv_read_bytes": kv_bytes,
-            "seconds": seconds, "max_requests_per_s": len(workload.requests) / seconds}
+    seconds = (flops - fp8_flops) / ceilings["matmul_flops_per_s"] + kv_bytes / ceilings["copy_bytes_per_s"]
+    if fp8_flops:
+        seconds += fp8_flops / ceilings["fp8_matmul_flops_per_s"]
+    return {"requests": len(workload.requests), "flops": flops, "fp8_flops": fp8_flops, "flops_by_part": parts,
+            "kv_read_bytes": kv_bytes, "seconds": seconds, "max_requests_per_s": len(workload.requests) / seconds}
 
 
 def _context_sum(first: int, last: int, window: int) -> int:
@@ -91,7 +114,8 @@ def floor_lines(floors: dict[str, dict[str, Any]], summary: dict[str, Any]) -> l
                  for engine in ("paged", "vllm")}  # fmt: skip
         shares = ", ".join(f"{'ours' if e == 'paged' else e} {100 * s:.0f}%" for e, s in share.items() if s)
         ask = f"; 1.5x vLLM asks {150 * share['vllm']:.0f}%" if share["vllm"] else ""
-        lines.append(f"  {name} floor: {floor['flops'] / 1e15:.2f} PFLOP + {floor['kv_read_bytes'] / 1e12:.2f} TB of KV reads = "
+        fp8 = f" ({floor['fp8_flops'] / 1e15:.2f} of them FP8)" if floor["fp8_flops"] else ""
+        lines.append(f"  {name} floor: {floor['flops'] / 1e15:.2f} PFLOP{fp8} + {floor['kv_read_bytes'] / 1e12:.2f} TB of KV reads = "
                      f"{floor['seconds']:.2f} s at the measured ceilings (at most {floor['max_requests_per_s']:.1f} req/s)"
                      + (f": {shares} of it{ask}" if shares else ""))
     return lines

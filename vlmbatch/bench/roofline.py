@@ -15,7 +15,9 @@ from vlmbatch.bench.workloads import build_workload
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on `device`
-    (fp32 and small on the CPU, where bf16 matmuls crawl: its figures are for smoke runs)."""
+    (fp32 and small on the CPU, where bf16 matmuls crawl: its figures are for smoke runs);
+    on GPUs with e4m3 tensor cores (SM 8.9+) also the FP8 rate, `torch._scaled_mm` with
+    per-row and per-column scales as our FP8 layers call it (`fp8_matmul_flops_per_s`)."""
 
     def timed(fn: Callable[[], Any], repeats: int = 20) -> float:
         fn()
@@ -32,7 +34,13 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
     a = torch.randn(n, n, dtype=dtype, device=device)
     matmul_s = timed(lambda: a @ a, repeats=10)
-    return {"copy_bytes_per_s": 2 * src.numel() / copy_s, "matmul_flops_per_s": 2 * n**3 / matmul_s}
+    ceilings = {"copy_bytes_per_s": 2 * src.numel() / copy_s, "matmul_flops_per_s": 2 * n**3 / matmul_s}
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        a8, b8 = a.to(torch.float8_e4m3fn), torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        rows, columns = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+        fp8_s = timed(lambda: torch._scaled_mm(a8, b8.t(), scale_a=rows, scale_b=columns, out_dtype=torch.bfloat16), repeats=10)
+        ceilings["fp8_matmul_flops_per_s"] = 2 * n**3 / fp8_s
+    return ceilings
 
 
 def decode_step_cost(decoder, batch: int, context: int, kv_itemsize: int | None = None) -> tuple[float, float]:
