@@ -183,7 +183,8 @@ def test_workload_floor_takes_the_fp8_products_at_the_fp8_rate(tiny_model_dir):
 
     from transformers import AutoConfig
 
-    from vlmbatch.bench.floor import fp8_flops_per_token, workload_floor
+    from vlmbatch.bench.floor import workload_floor
+    from vlmbatch.bench.roofline import fp8_flops_per_token
     from vlmbatch.bench.workloads import Request, Workload
     from vlmbatch.engine.decoder import Decoder
     from vlmbatch.engine.dummy_weights import materialize

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from vlmbatch.bench import adapt
-from vlmbatch.bench.roofline import decode_step_cost
+from vlmbatch.bench.roofline import decode_step_cost, fp8_flops_per_token, matmul_seconds
 from vlmbatch.bench.workloads import Workload
 
 VISION_SAMPLE = 4  # requests whose media one counted encode covers
@@ -43,18 +43,6 @@ def vision_flops_per_request(engine, workload: Workload, dtype: torch.dtype) -> 
         adapt.encode_images(engine, prompts)
     fp8 = counter.get_flop_counts().get("Global", {}).get(torch.ops.aten._scaled_mm, 0)
     return counter.get_total_flops() / len(prompts), fp8 / len(prompts)
-
-
-def fp8_flops_per_token(decoder) -> float:
-    """FLOPs per token of the decoder's FP8 products: its `Fp8Linear` projections and, of
-    an FP8 mixture of experts, the top-k experts."""
-    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
-    from vlmbatch.engine.layers.moe import FusedMoE
-
-    flops = 2 * sum(m.weight.numel() for m in decoder.modules() if isinstance(m, Fp8Linear))
-    for moe in (m for m in decoder.modules() if isinstance(m, FusedMoE) and m.fp8_scales):
-        flops += 2 * moe.top_k * (moe.gate_up[0].numel() + moe.down[0].numel())
-    return flops
 
 
 def workload_floor(engine, workload: Workload, ceilings: dict[str, float], vision_per_request: tuple[float, float]) -> dict[str, Any]:
@@ -88,9 +76,7 @@ def workload_floor(engine, workload: Workload, ceilings: dict[str, float], visio
         parts["attention"] += attention(1, prompt) + attention(prompt + 1, prompt + decoded)
         kv_bytes += kv_per_token / len(windows) * sum(_context_sum(prompt + 1, prompt + decoded, window) for window in windows)
     flops = sum(parts.values())
-    seconds = (flops - fp8_flops) / ceilings["matmul_flops_per_s"] + kv_bytes / ceilings["copy_bytes_per_s"]
-    if fp8_flops:
-        seconds += fp8_flops / ceilings["fp8_matmul_flops_per_s"]
+    seconds = matmul_seconds(flops, fp8_flops, ceilings) + kv_bytes / ceilings["copy_bytes_per_s"]
     return {"requests": len(workload.requests), "flops": flops, "fp8_flops": fp8_flops, "flops_by_part": parts,
             "kv_read_bytes": kv_bytes, "seconds": seconds, "max_requests_per_s": len(workload.requests) / seconds}
 

@@ -71,6 +71,24 @@ def decode_step_cost(decoder, batch: int, context: int, kv_itemsize: int | None 
     return nbytes, flops
 
 
+def fp8_flops_per_token(decoder) -> float:
+    """FLOPs per token of the decoder's FP8 products: its `Fp8Linear` projections and, of
+    an FP8 mixture of experts, the top-k experts."""
+    from vlmbatch.engine.layers.fp8_linear import Fp8Linear
+    from vlmbatch.engine.layers.moe import FusedMoE
+
+    flops = 2 * sum(m.weight.numel() for m in decoder.modules() if isinstance(m, Fp8Linear))
+    for moe in (m for m in decoder.modules() if isinstance(m, FusedMoE) and m.fp8_scales):
+        flops += 2 * moe.top_k * (moe.gate_up[0].numel() + moe.down[0].numel())
+    return flops
+
+
+def matmul_seconds(flops: float, fp8_flops: float, ceilings: dict[str, float]) -> float:
+    """`flops` of products at the measured rates: `fp8_flops` of them at the FP8 one."""
+    seconds = (flops - fp8_flops) / ceilings["matmul_flops_per_s"]
+    return seconds + fp8_flops / ceilings["fp8_matmul_flops_per_s"] if fp8_flops else seconds
+
+
 def decode_roofline(engine, batch: int, ceilings: dict[str, float], steps: int = 32) -> dict[str, float]:
     """Measured decode-step time at `batch` W1 sequences (at most the engine's max_num_seqs)
     vs the time the ceilings allow."""
@@ -78,8 +96,9 @@ def decode_roofline(engine, batch: int, ceilings: dict[str, float], steps: int =
     workload = build_workload("w1", engine.adapter, batch, seed=batch)
     result = run_engine(engine, adapt.engine_prompts(workload, engine.adapter, engine.runner.dtype), [steps] * batch, f"decode-b{batch}")
     context = workload.prompt_tokens + steps // 2
-    nbytes, flops = decode_step_cost(adapt.decoder(engine), batch, context, engine.runner.kv_dtype.itemsize)
-    bound_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
+    decoder = adapt.decoder(engine)
+    nbytes, flops = decode_step_cost(decoder, batch, context, engine.runner.kv_dtype.itemsize)
+    bound_s = max(nbytes / ceilings["copy_bytes_per_s"], matmul_seconds(flops, batch * fp8_flops_per_token(decoder), ceilings))
     measured_s = result.decode_step_ms / 1000
     steps_run = max(1, result.extra["num_decode_steps"])
     return {"batch": batch, "context": context, "decode_step_ms": result.decode_step_ms, "roofline_ms": 1000 * bound_s,
