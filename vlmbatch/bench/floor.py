@@ -2,17 +2,17 @@
 
 Every matmul of the run at the measured bf16 matmul rate (an FP8 one at the measured FP8
 rate: the decoder's FP8 projections and experts, a tower's `torch._scaled_mm` products),
-plus the KV cache the decode
-steps must read at the measured copy bandwidth, and nothing else costing time (no host
-work, no elementwise passes, no launch gaps). The matmuls are the decoder's linear layers
-for every prompt token and every decoded token (a mixture of experts: the top-k experts
-per token), the LM head for every sampled token, causal attention over each prompt and
-each decoded token's context (a sliding layer attends to, and reads, its window only), and the vision tower's
-FLOPs per request as `FlopCounterMode` counts one encode of the workload's own media
-(on a GPU that includes SDPA; on the CPU it does not). With the floor, a requests/s
-figure becomes a share of what the hardware allows, and a goal such as "1.5x vLLM" a share
-it asks for (BENCHMARKS.md session 13: 83-88% on short-prompt W1, beyond 100% on the long
-anyres prompts of LLaVA-NeXT and OneVision).
+plus the KV cache the decode steps must read at the measured copy bandwidth, and nothing
+else costing time (no host work, no elementwise passes, no launch gaps). The matmuls are
+the decoder's linear layers for every prompt token and every decoded token (a mixture of
+experts: the top-k experts per token), the LM head for every sampled token, causal
+attention over each prompt and each decoded token's context (a sliding layer attends to,
+and reads, its window only), and the vision tower's FLOPs per request as
+`FlopCounterMode` counts one encode of the workload's own media (on a GPU that includes
+SDPA; on the CPU it does not). With the floor, a requests/s figure becomes a share of what
+the hardware allows, and a goal such as "1.5x vLLM" a share it asks for (BENCHMARKS.md
+session 13: 83-88% on short-prompt W1, beyond 100% on the long anyres prompts of
+LLaVA-NeXT and OneVision).
 """
 
 from __future__ import annotations

@@ -130,23 +130,18 @@ def vllm_model_folder(folder: Path, quantization: str) -> Path:
 
 
 def unquantized_linear_names(folder: Path) -> list[str]:
-    """The full names (transformers' own) of the model's matrix layers that the block-wise
-    format's ignore list covers: every one inside the vision tower or the projector,
-    `lm_head`, the MoE routers (transformers' router is no `nn.Linear`, vLLM's is). The
-    model is built on the meta device: no weights are made."""
+    """The full names (transformers' own) of the model's matrix layers that our engine does
+    not run in FP8 (`_fp8_modules`): the vision tower's and projector's, `lm_head`, the MoE
+    routers (transformers' router is no `nn.Linear`, vLLM's is). The model is built on the
+    meta device: no weights are made."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    ignored = quantization_config("fp8-block")["modules_to_not_convert"]
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder))
-
-    def covered(name: str) -> bool:
-        return any(name == entry or name.startswith(entry + ".") or name.endswith("." + entry) or f".{entry}." in name
-                   for entry in ignored)
-
+    in_fp8 = {id(module) for _, module in _fp8_modules(model)}
     return [name for name, module in model.named_modules()
-            if not isinstance(module, torch.nn.Embedding) and getattr(module, "weight", None) is not None
-            and module.weight.dim() == 2 and covered(name)]
+            if id(module) not in in_fp8 and not isinstance(module, torch.nn.Embedding)
+            and getattr(module, "weight", None) is not None and module.weight.dim() == 2]
 
 
 def launch_name(config: Fp8GemmConfig) -> str:

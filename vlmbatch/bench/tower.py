@@ -106,7 +106,7 @@ def _qwen_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, imag
     grids_on_device = grids.to(device)
     fp8_tower = _in_fp8(tower_class(shape.family).from_hf(hf_model.model.visual, device, dtype, kernels), kernels, dtype) if fp8 else None
     return {"ours": lambda: tower(pixels, grids), "theirs": lambda: transformers_features(hf_model, pixels, grids_on_device),
-            "ours_fp8": fp8_tower and (lambda: fp8_tower(pixels, grids)),
+            "ours_fp8": (lambda: fp8_tower(pixels, grids)) if fp8 else None,
             "levels": 1 + len(getattr(hf_model.config.vision_config, "deepstack_visual_indexes", None) or []),
             "patches": int(grids.prod(-1).sum()), "grids": sorted({tuple(g) for g in grids.tolist()})}
 
@@ -124,7 +124,7 @@ def _siglip_subject(shape: ModelShape, hf_model: torch.nn.Module, path: Path, im
     patch = tower.embeddings.patch
     fp8_tower = _in_fp8(model_class.siglip_from_hf(hf_model, device, dtype), kernels, dtype) if fp8 else None
     return {"ours": lambda: tower(pixels), "theirs": lambda: model_class.transformers_hidden(hf_model, pixels), "levels": 1,
-            "ours_fp8": fp8_tower and (lambda: fp8_tower(pixels)),
+            "ours_fp8": (lambda: fp8_tower(pixels)) if fp8 else None,
             "patches": len(pixels) * (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch), "tiles": len(pixels),
             "grids": [(len(pixels), pixels.shape[-2] // patch, pixels.shape[-1] // patch)]}
 
