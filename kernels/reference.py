@@ -151,13 +151,14 @@ def apply_rotary_ref(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def moe_gate_up_ref(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def moe_gate_up_ref(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """SiLU(gate) * up of each token's k experts, `[tokens, k, intermediate]`, one expert at a
     time as transformers' `Qwen3VLMoeTextExperts` does: `w_gate_up` is `[experts, 2 * I, hidden]`
     with the gate rows first; the projection, the SiLU and the product are each rounded to
-    the model dtype. Slots with ids outside [0, experts) stay zero."""
-    dtype = hidden.dtype
-    act = hidden.new_zeros(*topk_ids.shape, w_gate_up.shape[1] // 2)
+    the model dtype (`dtype`, default `hidden`'s: FP8 references pass float32 operands).
+    Slots with ids outside [0, experts) stay zero."""
+    dtype = dtype or hidden.dtype
+    act = hidden.new_zeros(*topk_ids.shape, w_gate_up.shape[1] // 2, dtype=dtype)
     for expert in range(w_gate_up.shape[0]):
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
@@ -167,16 +168,18 @@ def moe_gate_up_ref(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: tor
     return act
 
 
-def moe_down_ref(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def moe_down_ref(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each slot's expert output times its routing weight, `[tokens, k, hidden]`, rounded once
-    (`w_down` is `[experts, hidden, I]`); unused slots stay zero."""
-    out = act.new_zeros(*topk_ids.shape, w_down.shape[1])
+    to `dtype` (default `act`'s; `w_down` is `[experts, hidden, I]`); unused slots stay zero."""
+    dtype = dtype or act.dtype
+    out = act.new_zeros(*topk_ids.shape, w_down.shape[1], dtype=dtype)
     for expert in range(w_down.shape[0]):
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
         product = act[token, slot].float() @ w_down[expert].float().T
-        out[token, slot] = (product * topk_weights[token, slot, None].float()).to(act.dtype)
+        out[token, slot] = (product * topk_weights[token, slot, None].float()).to(dtype)
     return out
 
 
@@ -278,13 +281,8 @@ def fused_moe_fp8_ref(
         q, s = quantize_fp8_ref(x, 128)
         return dequantize_fp8_ref(q, s)
 
-    num_experts = w_gate_up.shape[0]
-    taken = (topk_ids >= 0) & (topk_ids < num_experts)  # other ids take no expert and add zero
-    ids = topk_ids.clamp(0, num_experts - 1)
-    w_gate_up, w_down = dequantized(w_gate_up, gate_up_scales, torch.float32), dequantized(w_down, down_scales, torch.float32)
-    gate_up = torch.einsum("th,tknh->tkn", quantized(hidden), w_gate_up[ids])  # [tokens, k, 2 * intermediate], float32
-    gate, up = gate_up.to(hidden.dtype).float().chunk(2, dim=-1)
-    act = (F.silu(gate).to(hidden.dtype).float() * up).to(hidden.dtype)
-    down = torch.einsum("tki,tkhi->tkh", quantized(act.flatten(0, 1)).view(act.shape), w_down[ids])  # [tokens, k, hidden], float32
-    per_pair = (down * topk_weights.float()[..., None]).to(hidden.dtype) * taken[..., None]
-    return per_pair.float().sum(dim=1).to(hidden.dtype)
+    dtype = hidden.dtype
+    act = moe_gate_up_ref(quantized(hidden), dequantized(w_gate_up, gate_up_scales, torch.float32), topk_ids, dtype)
+    act = quantized(act.flatten(0, 1)).view(act.shape)  # rows are independent: unused slots stay zero
+    down = moe_down_ref(act, dequantized(w_down, down_scales, torch.float32), topk_weights, topk_ids, dtype)
+    return down.float().sum(dim=1).to(dtype)
