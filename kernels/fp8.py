@@ -37,26 +37,37 @@ BLOCK_GROUP = 128  # the block layouts' activation group (1x128) and weight bloc
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    """One group of `BLOCK_M` rows per program: a 128-column group is 256 bytes of a row, far
+    too little work for a program of its own."""
     follow_previous(PDL)
-    row, group = tl.program_id(0), tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    group = tl.program_id(1)
     start = group * GROUP
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    row_mask = rows < M
+    rows = rows.to(tl.int64)
+    amax = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
     for offset in range(0, GROUP, BLOCK):
         cols = start + offset + tl.arange(0, BLOCK)
-        mask = (cols < K) & (cols < start + GROUP)
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        mask = row_mask[:, None] & ((cols < K) & (cols < start + GROUP))[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_SCALE_C) / FP8_MAX_C
+    scale = tl.maximum(tl.max(amax, axis=1), MIN_SCALE_C) / FP8_MAX_C
     for offset in range(0, GROUP, BLOCK):
         cols = start + offset + tl.arange(0, BLOCK)
-        mask = (cols < K) & (cols < start + GROUP)
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
-        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+        mask = row_mask[:, None] & ((cols < K) & (cols < start + GROUP))[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + group, scale, mask=row_mask)
+
+
+# Elements of a quantization program's tile: 16 rows of a 128-column group (4 KiB of bf16),
+# or 2 rows of a per-token row in 1,024-column steps.
+QUANTIZE_TILE = 2048
 
 
 def quantize_fp8(x: torch.Tensor, group: int | None = None, pdl_max_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,10 +84,11 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, pdl_max_rows: int = 
     if x.stride(-1) != 1:
         x = x.contiguous()
     block = min(triton.next_power_of_2(group), 1024)
-    _quantize_kernel[(rows, num_groups)](
-        x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
-        GROUP=group, BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        num_warps=4 if block >= 512 else 1, **launch_options(pdl_launch(x, pdl_max_rows)),
+    block_m = min(max(1, QUANTIZE_TILE // block), triton.next_power_of_2(rows))
+    _quantize_kernel[(triton.cdiv(rows, block_m), num_groups)](
+        x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0),
+        GROUP=group, BLOCK=block, BLOCK_M=block_m, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        num_warps=4 if block_m * block >= 512 else 1, **launch_options(pdl_launch(x, pdl_max_rows)),
     )  # fmt: skip
     return q, s
 

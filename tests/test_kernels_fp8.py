@@ -33,7 +33,7 @@ gpu = pytest.mark.gpu
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows, k, group", [(1, 64, None), (5, 200, 128), (33, 384, 128), (7, 1000, None)])
+@pytest.mark.parametrize("rows, k, group", [(1, 64, None), (5, 200, 128), (33, 384, 128), (7, 1000, None), (19, 2500, None)])
 def test_kernel_quantize_matches_the_reference(rows, k, group):
     x = torch.randn(rows, k, device=DEVICE) * torch.logspace(-2, 2, rows, device=DEVICE)[:, None]
     q, s = quantize_fp8(x, group)

@@ -30,6 +30,23 @@ def test_gated_activation_compiles_for_hopper(gelu):
     assert ".entry _gated_kernel" in ptx
 
 
+
+@pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
+@pytest.mark.parametrize("group, block, block_m", [(128, 128, 16), (4096, 1024, 2), (2048, 1024, 1)])
+def test_quantize_tiles_compile_for_hopper(group, block, block_m):
+    """`quantize_fp8`'s tiles of several rows (1x128 groups; per-token rows in 1,024-column
+    steps; a one-row decode launch), compiled for sm_90 with the row reduction they use."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from vlmbatch.kernels.fp8 import FP8_MAX, MIN_SCALE, _quantize_kernel
+
+    args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", **dict.fromkeys("M K stride_xm stride_qm stride_sm".split(), "i32")}
+    constants = {"GROUP": group, "BLOCK": block, "BLOCK_M": block_m, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "PDL": False}
+    source = ASTSource(_quantize_kernel, {**args, **dict.fromkeys(constants, "constexpr")}, constants)
+    ptx = compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4 if block_m * block >= 512 else 1}).asm["ptx"]
+    assert ".entry _quantize_kernel" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
 # ---- FP8 GEMMs at decode sizes (`kernels/fp8.py`: `decode_plan`, `_fp8_decode_kernel`) ----------
 
 # The decoder layers `vlmbatch bench kernels` times: name -> (N, K); q/k/v has a bias (Qwen2.5).
