@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -276,15 +277,28 @@ def test_kernels_run_under_the_triton_interpreter():
 H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB), as the H200 reported it (session 14)
 
 
+def _ptxas_spill_bytes(ptx: str) -> int:
+    """Bytes of spill stores ptxas reports for `ptx` on sm_90a (Triton's own ptxas)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(folder) / "kernel.cubin")],
+                                capture_output=True, text=True, check=True).stderr  # fmt: skip
+    return int(re.search(r"(\d+) bytes spill stores", report).group(1))
+
+
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
-def test_every_grouped_tile_fits_the_h200s_shared_memory_with_fp8_experts():
+def test_every_grouped_tile_fits_the_h200s_shared_memory_and_registers_with_fp8_experts():
     """The tuned table's grouped-GEMM tiles (prefill and large decode batches) were swept on
     the H200 with bf16 experts, the defaults for unswept shapes never; FP8 experts run both
     with e4m3 activations in K steps of 128 (`fp8_tile`). Compiled for sm_90 so, each must
     fit in a Hopper block's shared memory
     (session 14: FP8 experts that gathered a [BLOCK_K, BLOCK_N] tile of scales per K step
-    asked 320 KiB at prefill on the H200 and the engine failed to start) and multiply e4m3
-    on the tensor cores (wgmma from 64 rows)."""
+    asked 320 KiB at prefill on the H200 and the engine failed to start), multiply e4m3
+    on the tensor cores (wgmma from 64 rows) and keep its registers (session 16: the
+    uncapped prefill tiles spilled in the main loop and ran at half bf16's speed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -300,7 +314,7 @@ def test_every_grouped_tile_fits_the_h200s_shared_memory_with_fp8_experts():
     aligned = {(_expert_gemm_kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items()
                if kind.startswith("*") or name.startswith("stride") or name in ("N", "K")}  # fmt: skip
     for block_m, gated, tile in sorted(tiles, key=str):
-        tile = fp8_tile(tile)
+        tile = fp8_tile(tile, gated)
         constants = dict(PAIRS_PER_A_ROW=8 if gated else 1, GATED=gated, WEIGHTED=not gated, EVEN_K=True, EVEN_N=True,
                          DOT_PRECISION="tf32", PDL=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                          GROUP_M=tile.group_m, PAIR_BLOCKS=False, PREFETCH=0, FP8_W=True, SCALE_ROWS=128, FP8_A=True)  # fmt: skip
@@ -309,6 +323,7 @@ def test_every_grouped_tile_fits_the_h200s_shared_memory_with_fp8_experts():
         assert kernel.metadata.shared <= H200_SHARED_MEMORY, (block_m, gated, tile, kernel.metadata.shared)
         ptx = kernel.asm["ptx"]
         assert "e4m3" in ptx and ("wgmma" in ptx if block_m >= 64 else "mma" in ptx), (block_m, gated, tile)
+        assert _ptxas_spill_bytes(ptx) == 0, (block_m, gated, tile)
 
 
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
