@@ -58,7 +58,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
-@triton.jit
+# What changes from step to step must not select a compiled variant (Triton keys integers
+# on == 1 and % 16): the split count, which follows the step's batch size, the LSE strides
+# made from it, and the block tables' row stride (the step's longest table), as for the
+# prefill kernel (`prefill_attention._prefill_kernel`). LLaVA-OneVision's timed W1 compiled
+# one variant of this kernel mid-run (session 16; which key changed was not recorded). Each
+# is read once per program: no vector access to gain.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq", "stride_lse_seq", "stride_lse_head"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -139,7 +145,7 @@ def _decode_split_kernel(
         tl.store(lse_ptrs, tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf")), mask=offs_h < GROUP_SIZE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lse_seq", "stride_lse_head"])  # as `_decode_split_kernel`
 def _decode_merge_kernel(
     partial_ptr,
     lse_ptr,

@@ -217,3 +217,27 @@ def test_prefill_compiles_once_whatever_slices_and_table_widths_a_step_passes():
                 first = int(cu[rows])
                 assert torch.equal(run(rows, tables)[first:], whole[first:]), (rows, tables.shape)
     assert compiled == {}
+
+
+@pytest.mark.gpu  # the interpreter compiles nothing
+def test_decode_compiles_once_whatever_split_counts_and_table_widths_a_step_takes():
+    """The split count follows the step's batch size and the block tables are as wide as
+    its longest sequence: once the kernel has run with and without splits, neither may
+    compile a new variant (session 16: one mid-run compile in LLaVA-OneVision's W1)."""
+    from vlmbatch.bench.timing import triton_compiles
+    from vlmbatch.kernels import paged_decode_attention
+    from vlmbatch.kernels.testing import make_paged_kv
+
+    context_lens = [20, 37, 50, 27, 140, 33]
+    kv = make_paged_kv(context_lens, 2, 64, 8, torch.bfloat16, "cuda", seed=8)
+    q = torch.randn(len(context_lens), 8, 64, device="cuda", dtype=torch.bfloat16)
+    expected = paged_decode_attention_ref(q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, kv.context_lens, 0.3)
+    for splits in (1, 2):
+        paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3, num_splits=splits)
+    with triton_compiles() as compiled:
+        for extra_columns in (0, 13, 16 - kv.block_tables.shape[1] % 16):
+            tables = torch.cat([kv.block_tables, torch.full((len(context_lens), extra_columns), -1, dtype=torch.int32, device="cuda")], dim=1)
+            for splits in (1, 3, 4, 16):
+                out = paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, kv.context_lens, 0.3, num_splits=splits)
+                assert (out.float() - expected).norm() / expected.norm() < 1e-2, (extra_columns, splits)
+    assert compiled == {}
