@@ -94,3 +94,22 @@ def make_paged_kv(
         block_tables=block_tables.to(device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
     )
+
+
+def ptxas_spill_bytes(ptx: str) -> int:
+    """Bytes of spill stores that ptxas (Triton's own) reports for `ptx` on sm_90a: a kernel
+    that spills in its main loop loses most of its speed, and the CPU can tell (session 16:
+    the w8a8 expert GEMMs)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(folder) / "kernel.cubin")],
+                                capture_output=True, text=True, check=True).stderr  # fmt: skip
+    return int(re.search(r"(\d+) bytes spill stores", report).group(1))

@@ -81,12 +81,12 @@ def test_kernel_rms_norm_fp8_is_the_norm_then_its_quantization(dtype, hidden, gr
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", TARGET.dtypes if TARGET else [torch.float32])
-@pytest.mark.parametrize("n, group", [(96, None), (2100, None), (384, 128), (200, 128)])
+@pytest.mark.parametrize("n, group", [(96, None), (2100, None), (5000, None), (384, 128), (200, 128)])
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "geglu"])
 def test_kernel_gated_fp8_is_the_activation_then_its_quantization(dtype, n, group, gelu):
     """The fused gated activation's FP8 output is `quantize_fp8` of the unfused activation's
-    output, bit for bit: one scale per token across several column blocks (n = 2100), or
-    per 128 columns with a short last group (n = 200)."""
+    output, bit for bit: one scale per token from one read of the row (n = 2100) or from two
+    reads of its column blocks (n = 5000), or per 128 columns with a short last group (n = 200)."""
     from vlmbatch.kernels import fused_gelu_tanh_and_mul, fused_silu_and_mul
 
     torch.manual_seed(n)
@@ -604,13 +604,14 @@ def test_kernel_grouped_expert_gemms_multiply_e4m3_activations_by_e4m3_weights(h
 def test_fp8_kernels_compile_for_hopper():
     """The interpreter cannot check the GPU code, so compile for sm_90 here: the scaled GEMM
     must multiply e4m3 tiles on the tensor cores (Hopper wgmma for 64-row tiles and more,
-    mma below) at every tile shape `default_config` picks; the quantization kernel and the
-    KV write into an FP8 cache must build and convert to e4m3, and split-KV decode must read
-    an FP8 cache into its tensor-core products."""
+    mma below) at every tile shape `default_config` picks; the norm's FP8 output and the KV
+    write into an FP8 cache must build and convert to e4m3, and split-KV decode must read an
+    FP8 cache into its tensor-core products. (The quantization's and the gated activation's
+    launches: `test_kernels_hopper_compile.py`.)"""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from vlmbatch.kernels.fp8 import _fp8_gemm_kernel, _quantize_kernel, default_config
+    from vlmbatch.kernels.fp8 import _fp8_gemm_kernel, default_config
     from vlmbatch.kernels.kv_cache_write import _store_kvcache_kernel
 
     def build(fn, args: dict[str, str], constants: dict, **options) -> str:
@@ -628,10 +629,6 @@ def test_fp8_kernels_compile_for_hopper():
                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=128)  # fmt: skip
             ptx = build(_fp8_gemm_kernel, gemm, constants, num_warps=config.num_warps, num_stages=config.num_stages)
             assert ("wgmma" in ptx and "e4m3" in ptx) if config.block_m >= 64 else "mma" in ptx, (rows, per_row)
-    quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", **dict.fromkeys("K stride_xm stride_qm stride_sm".split(), "i32")}
-    ptx = build(_quantize_kernel, quant, dict(GROUP=128, BLOCK=128, FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=False), num_warps=1)
-    assert "e4m3" in ptx
-    from vlmbatch.kernels.activation import _gated_fp8_kernel
     from vlmbatch.kernels.norm import _rms_norm_kernel
 
     norm = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
@@ -641,9 +638,6 @@ def test_fp8_kernels_compile_for_hopper():
         ptx = build(_rms_norm_kernel, norm, dict(HIDDEN=3584, BLOCK=4096, HAS_RESIDUAL=True, OFFSET=False, FP8_GROUP=group,
                                                  FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=False), num_warps=16)  # fmt: skip
         assert "e4m3" in ptx, group
-    gated = {"gate_up_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", **dict.fromkeys("n_cols stride_in stride_q stride_s".split(), "i32")}
-    ptx = build(_gated_fp8_kernel, gated, dict(GROUP=18944, BLOCK=1024, GELU=False, FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=False), num_warps=4)
-    assert "e4m3" in ptx
     store = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64",
              **dict.fromkeys("stride_k_tok stride_k_head stride_v_tok stride_v_head stride_cache_slot stride_cache_head".split(), "i32")}  # fmt: skip
     assert "e4m3" in build(_store_kvcache_kernel, store, dict(NUM_HEADS=2, HEAD_DIM=128, BLOCK_H=2, BLOCK_D=128, FP8_CACHE=True), num_warps=4)

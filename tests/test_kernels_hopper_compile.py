@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from vlmbatch.kernels.testing import kernel_target
+from vlmbatch.kernels.testing import kernel_target, ptxas_spill_bytes
 
 TARGET = kernel_target()
 
@@ -31,6 +31,25 @@ def test_gated_activation_compiles_for_hopper(gelu):
 
 
 
+
+@pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
+@pytest.mark.parametrize("group, block, num_warps", [(3456, 4096, 8), (11008, 1024, 4), (128, 128, 1)])
+def test_gated_fp8_compiles_for_hopper_in_one_read_or_two(group, block, num_warps):
+    """`gated_fp8`'s launches: a Qwen2.5-VL tower row kept in registers (one read), a 3B
+    decoder row in 1,024-column steps (two reads), a 128-column group, each compiled for
+    sm_90 without spilling."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from vlmbatch.kernels.activation import _gated_fp8_kernel
+    from vlmbatch.kernels.fp8 import FP8_MAX, MIN_SCALE
+
+    args = {"gate_up_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", **dict.fromkeys("n_cols stride_in stride_q stride_s".split(), "i32")}
+    constants = {"GROUP": group, "BLOCK": block, "GELU": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "PDL": False}
+    source = ASTSource(_gated_fp8_kernel, {**args, **dict.fromkeys(constants, "constexpr")}, constants)
+    ptx = compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps}).asm["ptx"]
+    assert ".entry _gated_fp8_kernel" in ptx and "e4m3" in ptx and ptxas_spill_bytes(ptx) == 0
+
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
 @pytest.mark.parametrize("group, block, block_m", [(128, 128, 16), (4096, 1024, 2), (2048, 1024, 1)])
 def test_quantize_tiles_compile_for_hopper(group, block, block_m):
@@ -45,7 +64,7 @@ def test_quantize_tiles_compile_for_hopper(group, block, block_m):
     constants = {"GROUP": group, "BLOCK": block, "BLOCK_M": block_m, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "PDL": False}
     source = ASTSource(_quantize_kernel, {**args, **dict.fromkeys(constants, "constexpr")}, constants)
     ptx = compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4 if block_m * block >= 512 else 1}).asm["ptx"]
-    assert ".entry _quantize_kernel" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert ".entry _quantize_kernel" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptxas_spill_bytes(ptx) == 0
 
 # ---- FP8 GEMMs at decode sizes (`kernels/fp8.py`: `decode_plan`, `_fp8_decode_kernel`) ----------
 

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from vlmbatch.kernels.fused_moe import (
     REL_L2_BOUND, TUNED_CONFIGS, TUNED_TABLE_PATH, GemmTile, MoeConfig, fused_moe, load_tuned_configs, max_blocks, moe_align,
 )  # fmt: skip
 from vlmbatch.kernels.reference import fused_moe_ref
-from vlmbatch.kernels.testing import TOLERANCE, kernel_target
+from vlmbatch.kernels.testing import TOLERANCE, kernel_target, ptxas_spill_bytes
 
 TARGET = kernel_target()
 needs_kernels = pytest.mark.skipif(TARGET is None, reason="needs a GPU or TRITON_INTERPRET=1 (test_kernels_interpreter.py runs them so)")
@@ -277,18 +276,6 @@ def test_kernels_run_under_the_triton_interpreter():
 H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB), as the H200 reported it (session 14)
 
 
-def _ptxas_spill_bytes(ptx: str) -> int:
-    """Bytes of spill stores ptxas reports for `ptx` on sm_90a (Triton's own ptxas)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "kernel.ptx"
-        source.write_text(ptx)
-        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(folder) / "kernel.cubin")],
-                                capture_output=True, text=True, check=True).stderr  # fmt: skip
-    return int(re.search(r"(\d+) bytes spill stores", report).group(1))
-
-
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
 def test_every_grouped_tile_fits_the_h200s_shared_memory_and_registers_with_fp8_experts():
     """The tuned table's grouped-GEMM tiles (prefill and large decode batches) were swept on
@@ -323,7 +310,7 @@ def test_every_grouped_tile_fits_the_h200s_shared_memory_and_registers_with_fp8_
         assert kernel.metadata.shared <= H200_SHARED_MEMORY, (block_m, gated, tile, kernel.metadata.shared)
         ptx = kernel.asm["ptx"]
         assert "e4m3" in ptx and ("wgmma" in ptx if block_m >= 64 else "mma" in ptx), (block_m, gated, tile)
-        assert _ptxas_spill_bytes(ptx) == 0, (block_m, gated, tile)
+        assert ptxas_spill_bytes(ptx) == 0, (block_m, gated, tile)
 
 
 @pytest.mark.skipif(TARGET is not None and TARGET.device == "cpu", reason="the kernels are interpreted in this process")
