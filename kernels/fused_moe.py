@@ -62,6 +62,10 @@ _SUM_ELEMENTS = 2048  # of a sum_slots program: [tokens, hidden] tile
 # one ulp only where a value lies that close to a rounding boundary. So the error stays
 # well under the dtype's unit roundoff (2^-9 in bf16, 2^-11 in fp16), the bound used.
 REL_L2_BOUND = {torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-9}
+# FP8 experts against `reference.fused_moe_fp8_ref` (same quantized inputs and weights):
+# bf16's rounding plus the rare value that a different float32 order moves across an e4m3
+# rounding step of the activations between the GEMMs (1/16 of itself).
+FP8_REL_L2_BOUND = 1e-2
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,10 @@ class MoeConfig:
 
 
 # The tile table measured by `vlmbatch bench moe --write-table` (data beside this module):
-# {"hidden,intermediate,num_experts,top_k": {"measured": ..., "configs": {tokens: config}}}.
+# {"hidden,intermediate,num_experts,top_k": {"measured": ..., "configs": {tokens: config}}},
+# and with block-FP8 experts (`--experts fp8-block`) under "hidden,...,top_k,fp8-block".
 TUNED_TABLE_PATH = Path(__file__).with_name("fused_moe_tuned.json")
+EXPERT_FORMATS = ("bf16", "fp8-block")  # the experts' weights a table was measured with
 
 
 def config_from_json(entry: dict) -> MoeConfig:
@@ -103,18 +109,26 @@ def config_from_json(entry: dict) -> MoeConfig:
     return MoeConfig(entry["block_m"], GemmTile(**entry["gate_up"]), GemmTile(**entry["down"]))
 
 
-def load_tuned_configs(path: Path = TUNED_TABLE_PATH) -> dict[tuple[int, int, int, int], dict[int, MoeConfig]]:
-    """The table keyed by (hidden, intermediate, num_experts, top_k), then token count."""
+def table_key(shape: tuple[int, int, int, int], experts: str = "bf16") -> str:
+    """The tuned table's key of a shape (hidden, intermediate, num_experts, top_k) and expert format."""
+    return ",".join(str(part) for part in (*shape, *([experts] if experts != "bf16" else [])))
+
+
+def load_tuned_configs(path: Path = TUNED_TABLE_PATH, experts: str = "bf16") -> dict[tuple[int, int, int, int], dict[int, MoeConfig]]:
+    """The table of one expert format keyed by (hidden, intermediate, num_experts, top_k), then token count."""
     if not path.exists():
         return {}
     tables = json.loads(path.read_text())
-    return {
-        tuple(int(part) for part in key.split(",")): {int(n): config_from_json(entry) for n, entry in table["configs"].items()}
-        for key, table in tables.items()
-    }  # fmt: skip
+    parsed = {}
+    for key, table in tables.items():
+        parts = key.split(",")
+        if (parts.pop() if not parts[-1].isdigit() else "bf16") == experts:
+            parsed[tuple(int(part) for part in parts)] = {int(n): config_from_json(entry) for n, entry in table["configs"].items()}
+    return parsed
 
 
 TUNED_CONFIGS = load_tuned_configs()
+TUNED_FP8_CONFIGS = load_tuned_configs(experts="fp8-block")
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
@@ -132,10 +146,13 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     return MoeConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
 
 
-def choose_config(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int) -> MoeConfig:
+def choose_config(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, fp8: bool = False) -> MoeConfig:
     """The tuned entry for the smallest swept token count >= num_tokens (the largest beyond
-    them), or `default_config` for shapes that were never swept."""
-    table = TUNED_CONFIGS.get((hidden, intermediate, num_experts, top_k))
+    them), or `default_config` for shapes that were never swept. FP8 experts take the table
+    swept with them where there is one, else bf16's (its grouped tiles then go through
+    `fp8_tile` at launch)."""
+    shape = (hidden, intermediate, num_experts, top_k)
+    table = (TUNED_FP8_CONFIGS.get(shape) if fp8 else None) or TUNED_CONFIGS.get(shape)
     if not table:
         return default_config(num_tokens, num_experts, top_k)
     key = min((n for n in table if n >= num_tokens), default=max(table))
@@ -735,7 +752,7 @@ def fused_moe(
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
-    config = config or choose_config(num_tokens, hidden.shape[1], intermediate, num_experts, top_k)
+    config = config or choose_config(num_tokens, hidden.shape[1], intermediate, num_experts, top_k, fp8=gate_up_scales is not None)
     pdl = pdl_launch(hidden, pdl_max_rows)
     if config.block_m == 1:
         act = pair_gate_up(hidden, w_gate_up, topk_ids, config.gate_up, pdl, gate_up_scales)

@@ -260,6 +260,31 @@ def fp8_gemm_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     return out.to(out_dtype)
 
 
+def dequantize_experts_ref(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 expert weights [experts, N, K] times their block scales, in `dtype`."""
+    return torch.stack([dequantize_fp8_ref(w[e], scales[e]) for e in range(w.shape[0])]).to(dtype)
+
+
+def fp8_round_trip_ref(x: torch.Tensor) -> torch.Tensor:
+    """float32 values of `x` [rows, K] quantized to e4m3 per row and 128 columns: what a w8a8 GEMM multiplies."""
+    return dequantize_fp8_ref(*quantize_fp8_ref(x, 128))
+
+
+def fused_moe_fp8_stages_ref(
+    hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    gate_up_scales: torch.Tensor, down_scales: torch.Tensor, fp8_activations: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(act [tokens, k, intermediate], weighted down [tokens, k, hidden]) of `fused_moe_fp8_ref`:
+    its two GEMMs' outputs, which the tile sweep checks one stage at a time."""
+    if not fp8_activations:
+        act = moe_gate_up_ref(hidden, dequantize_experts_ref(w_gate_up, gate_up_scales, hidden.dtype), topk_ids)
+        return act, moe_down_ref(act, dequantize_experts_ref(w_down, down_scales, hidden.dtype), topk_weights, topk_ids)
+    dtype = hidden.dtype
+    act = moe_gate_up_ref(fp8_round_trip_ref(hidden), dequantize_experts_ref(w_gate_up, gate_up_scales, torch.float32), topk_ids, dtype)
+    act_in = fp8_round_trip_ref(act.flatten(0, 1)).view(act.shape)  # rows are independent: unused slots stay zero
+    return act, moe_down_ref(act_in, dequantize_experts_ref(w_down, down_scales, torch.float32), topk_weights, topk_ids, dtype)
+
+
 def fused_moe_fp8_ref(
     hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     gate_up_scales: torch.Tensor, down_scales: torch.Tensor, fp8_activations: bool = False,
@@ -270,19 +295,5 @@ def fused_moe_fp8_ref(
     `fp8_activations` (the grouped kernels, w8a8): each GEMM's input is quantized per token
     and 128 columns too, and both products run in float32 on the dequantized operands; the
     act between them is rounded to the activations' dtype, as the kernels store it."""
-    def dequantized(w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.stack([dequantize_fp8_ref(w[e], s[e]) for e in range(w.shape[0])]).to(dtype)
-
-    if not fp8_activations:
-        return fused_moe_ref(hidden, dequantized(w_gate_up, gate_up_scales, hidden.dtype), dequantized(w_down, down_scales, hidden.dtype),
-                             topk_weights, topk_ids)  # fmt: skip
-
-    def quantized(x: torch.Tensor) -> torch.Tensor:  # float32 values of x's e4m3 groups
-        q, s = quantize_fp8_ref(x, 128)
-        return dequantize_fp8_ref(q, s)
-
-    dtype = hidden.dtype
-    act = moe_gate_up_ref(quantized(hidden), dequantized(w_gate_up, gate_up_scales, torch.float32), topk_ids, dtype)
-    act = quantized(act.flatten(0, 1)).view(act.shape)  # rows are independent: unused slots stay zero
-    down = moe_down_ref(act, dequantized(w_down, down_scales, torch.float32), topk_weights, topk_ids, dtype)
-    return down.float().sum(dim=1).to(dtype)
+    _, per_pair = fused_moe_fp8_stages_ref(hidden, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scales, down_scales, fp8_activations)
+    return per_pair.float().sum(dim=1).to(hidden.dtype)

@@ -14,6 +14,12 @@ passes over `layers` distinct weight sets and routings, one call each, so that e
 reads its experts from memory, not from L2 (4 layers of 30B-A3B are 4.8 GB). The kernels
 are compiled first in parallel processes. `write_tuned_table` puts the chosen configs into
 `kernels/fused_moe.py`: `vlmbatch bench moe --json moe_sweep.json --write-table`.
+
+With block-FP8 experts (`--experts fp8-block`, e4m3 weights with 128x128 block scales, as
+Qwen's -FP8 checkpoints hold them) the per-pair kernels dequantize weight tiles (w8a16) and
+the grouped GEMMs multiply e4m3 by e4m3 (w8a8) on inputs quantized per token and 128
+columns before they are timed, each checked against `fused_moe_fp8_ref`'s path; the
+grouped candidates are the tiles as `fp8_tile` runs them. The table gets its own entry.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import torch
 from vlmbatch.engine.kernel_choice import PDL_MAX_BATCH
 from vlmbatch.engine.layers.moe import select_experts
 from vlmbatch.kernels.fused_moe import (
+    FP8_BLOCK,
+    FP8_REL_L2_BOUND,
     REL_L2_BOUND,
     SINGLE_PROGRAM_PAIRS,
     TUNED_TABLE_PATH,
@@ -41,14 +49,24 @@ from vlmbatch.kernels.fused_moe import (
     MoeConfig,
     expert_down,
     expert_gate_up,
+    fp8_tile,
     fused_moe,
     max_blocks,
     moe_align,
     pair_gate_up,
     sum_slots,
+    table_key,
     token_down,
 )
-from vlmbatch.kernels.reference import fused_moe_ref, moe_down_ref, moe_gate_up_ref
+from vlmbatch.kernels.reference import (
+    fused_moe_fp8_ref,
+    fused_moe_fp8_stages_ref,
+    fused_moe_ref,
+    moe_down_ref,
+    moe_gate_up_ref,
+    quantize_fp8_blocks_ref,
+    quantize_fp8_ref,
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +151,18 @@ def candidates(num_tokens: int) -> list[Candidate]:
     return [(64, PREFILL_TILES, PREFILL_TILES), (128, PREFILL_TILES, PREFILL_TILES)]
 
 
+def fp8_candidates(num_tokens: int) -> list[Candidate]:
+    """`candidates` for block-FP8 experts: the grouped tiles as `fp8_tile` runs them (K steps
+    of one 128-column scale group, columns capped so that no tile spills registers)."""
+    mapped = []
+    for block_m, gate_up, down in candidates(num_tokens):
+        if block_m > 1:
+            gate_up = tuple(dict.fromkeys(fp8_tile(tile, gated=True) for tile in gate_up))
+            down = tuple(dict.fromkeys(fp8_tile(tile, gated=False) for tile in down))
+        mapped.append((block_m, gate_up, down))
+    return mapped
+
+
 def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
 
@@ -164,23 +194,36 @@ def _ms_per_call(fn: Callable[[int], object], layers: int, device: torch.device)
     return ms
 
 
-def _stage_kernels(block_m: int, shape: MoeShape) -> tuple[Callable, Callable]:
-    """(gate_up(x, w, weights, ids, blocks, tile), down(act, w, weights, ids, blocks, tile))
-    of a BLOCK_M: the per-pair kernels (whose down adds the slots too) or the grouped GEMMs."""
+def _stage_kernels(block_m: int, shape: MoeShape, dtype: torch.dtype) -> tuple[Callable, Callable]:
+    """(gate_up(x, x_scales, w, w_scales, weights, ids, blocks, tile), down(act, act_scales, w,
+    w_scales, weights, ids, blocks, tile)) of a BLOCK_M: the per-pair kernels (whose down adds
+    the slots too) or the grouped GEMMs. Scales are None for bf16 experts; with FP8 experts the
+    grouped GEMMs take e4m3 inputs with their scales and write `dtype`."""
     if block_m == 1:
-        return (lambda x, w, weights, ids, blocks, tile: pair_gate_up(x, w, ids, tile),
-                lambda act, w, weights, ids, blocks, tile: token_down(act, w, weights, ids, tile))  # fmt: skip
-    return (lambda x, w, weights, ids, blocks, tile: expert_gate_up(x, w, blocks, shape.top_k, tile),
-            lambda act, w, weights, ids, blocks, tile: expert_down(act, w, weights, blocks, tile))  # fmt: skip
+        return (lambda x, xs, w, ws, weights, ids, blocks, tile: pair_gate_up(x, w, ids, tile, scales=ws),
+                lambda act, acts, w, ws, weights, ids, blocks, tile: token_down(act, w, weights, ids, tile, scales=ws))  # fmt: skip
+    return (lambda x, xs, w, ws, weights, ids, blocks, tile: expert_gate_up(x, w, blocks, shape.top_k, tile, scales=ws, hidden_scales=xs, out_dtype=dtype),
+            lambda act, acts, w, ws, weights, ids, blocks, tile: expert_down(act, w, weights, blocks, tile, scales=ws, act_scales=acts, out_dtype=dtype))  # fmt: skip
 
 
-def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: int, block_m: int, stage: str, tile: dict | None) -> str | None:
+def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: int, block_m: int, stage: str, tile: dict | None,
+                       experts: str = "bf16") -> str | None:  # fmt: skip
     """(In a worker process) launch one kernel of a candidate once on empty weights of the
     real shape, so that Triton compiles it into its on-disk cache: "align" (with the slot
     sum) or a stage's GEMM, given no expert blocks so that it returns at once. The error,
     if any (the sweep meets and records it again)."""
     moe = MoeShape(**shape)
     dtype = getattr(torch, dtype_name)
+    fp8 = experts == "fp8-block"
+    w_dtype = torch.float8_e4m3fn if fp8 else dtype
+    in_dtype = torch.float8_e4m3fn if fp8 and block_m > 1 else dtype  # the grouped GEMMs' e4m3 inputs
+
+    def scales(rows: int, cols: int) -> torch.Tensor | None:  # of FP8 expert weights [experts, rows, cols]
+        return torch.ones(moe.num_experts, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK), device=device) if fp8 else None
+
+    def input_scales(rows: int, cols: int) -> torch.Tensor | None:
+        return torch.ones(rows, -(-cols // FP8_BLOCK), device=device) if fp8 and block_m > 1 else None
+
     try:
         weights, ids = select_experts(torch.randn(num_tokens, moe.num_experts, device=device).to(dtype), moe.top_k)
         if stage == "align":
@@ -190,13 +233,16 @@ def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: in
             capacity = max_blocks(ids.numel(), moe.num_experts, block_m)
             no_blocks = ExpertBlocks(torch.empty(capacity * block_m, dtype=torch.int32, device=device), torch.empty(capacity, dtype=torch.int32, device=device),
                                      torch.zeros(1, dtype=torch.int32, device=device), block_m)  # fmt: skip
-            gate_up, down = _stage_kernels(block_m, moe)
+            gate_up, down = _stage_kernels(block_m, moe, dtype)
             if stage == "gate_up":
-                w_gate_up = torch.empty(moe.num_experts, 2 * moe.intermediate, moe.hidden, dtype=dtype, device=device)
-                gate_up(torch.zeros(num_tokens, moe.hidden, dtype=dtype, device=device), w_gate_up, weights, ids, no_blocks, GemmTile(**tile))
+                w_gate_up = torch.empty(moe.num_experts, 2 * moe.intermediate, moe.hidden, dtype=w_dtype, device=device)
+                gate_up(torch.zeros(num_tokens, moe.hidden, dtype=in_dtype, device=device), input_scales(num_tokens, moe.hidden),
+                        w_gate_up, scales(2 * moe.intermediate, moe.hidden), weights, ids, no_blocks, GemmTile(**tile))  # fmt: skip
             else:
-                w_down = torch.empty(moe.num_experts, moe.hidden, moe.intermediate, dtype=dtype, device=device)
-                down(torch.zeros(num_tokens * moe.top_k, moe.intermediate, dtype=dtype, device=device), w_down, weights, ids, no_blocks, GemmTile(**tile))
+                pairs = num_tokens * moe.top_k
+                w_down = torch.empty(moe.num_experts, moe.hidden, moe.intermediate, dtype=w_dtype, device=device)
+                down(torch.zeros(pairs, moe.intermediate, dtype=in_dtype, device=device), input_scales(pairs, moe.intermediate),
+                     w_down, scales(moe.hidden, moe.intermediate), weights, ids, no_blocks, GemmTile(**tile))  # fmt: skip
         if device == "cuda":
             torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001
@@ -205,7 +251,8 @@ def _compile_candidate(shape: dict, dtype_name: str, device: str, num_tokens: in
 
 
 def precompile(
-    shape: MoeShape, token_counts: tuple[int, ...], choices: Choices, dtype: torch.dtype, device: torch.device, workers: int, echo: Callable[[str], None]
+    shape: MoeShape, token_counts: tuple[int, ...], choices: Choices, dtype: torch.dtype, device: torch.device, workers: int, echo: Callable[[str], None],
+    experts: str = "bf16",
 ) -> None:  # fmt: skip
     """Compile every candidate in `workers` spawned processes, one job per (BLOCK_M, stage,
     tile) and per variant of the align kernel: Triton caches the binaries on disk, where
@@ -227,7 +274,7 @@ def precompile(
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [
-                pool.submit(_compile_candidate, asdict(shape), str(dtype).removeprefix("torch."), device.type, tokens, block_m, stage, tile and asdict(tile))
+                pool.submit(_compile_candidate, asdict(shape), str(dtype).removeprefix("torch."), device.type, tokens, block_m, stage, tile and asdict(tile), experts)
                 for tokens, block_m, stage, tile in jobs
             ]  # fmt: skip
             errors = [error for future in futures if (error := future.result())]
@@ -253,37 +300,58 @@ class _Layer:
     w_down: torch.Tensor
     weights: torch.Tensor
     ids: torch.Tensor
+    gate_up_scales: torch.Tensor | None = None  # block-FP8 experts' scales
+    down_scales: torch.Tensor | None = None
 
 
-def _make_experts(shape: MoeShape, layers: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random (gate_up, down) weights of `layers` layers, scaled so every stage stays O(1)."""
+Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # gate_up, down, and FP8 scales
+
+
+def _blockwise_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert of `w` [experts, N, K] in e4m3 with 128x128 block scales, as -FP8 checkpoints hold them."""
+    parts = [quantize_fp8_blocks_ref(expert.float()) for expert in w]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def _make_experts(shape: MoeShape, layers: int, dtype: torch.dtype, device: torch.device, experts: str = "bf16") -> list[Experts]:
+    """Random (gate_up, down) weights of `layers` layers, scaled so every stage stays O(1),
+    in `dtype` or block-FP8 (`experts`)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    experts = []
+    made = []
     for _ in range(layers):
         w_gate_up = torch.randn(shape.num_experts, 2 * shape.intermediate, shape.hidden, generator=gen, device=device).mul_(shape.hidden**-0.5)
         w_down = torch.randn(shape.num_experts, shape.hidden, shape.intermediate, generator=gen, device=device).mul_(shape.intermediate**-0.5)
-        experts.append((w_gate_up.to(dtype), w_down.to(dtype)))
-    return experts
+        if experts == "fp8-block":
+            (gate_up_q, gate_up_s), (down_q, down_s) = _blockwise_fp8(w_gate_up), _blockwise_fp8(w_down)
+            made.append((gate_up_q, down_q, gate_up_s, down_s))
+        else:
+            made.append((w_gate_up.to(dtype), w_down.to(dtype), None, None))
+    return made
 
 
-def _route(experts: list[tuple[torch.Tensor, torch.Tensor]], shape: MoeShape, num_tokens: int, dtype: torch.dtype) -> list[_Layer]:
+def _route(experts: list[Experts], shape: MoeShape, num_tokens: int, dtype: torch.dtype) -> list[_Layer]:
     """Fresh activations and routings (random router logits through transformers' routing)."""
     device = experts[0][0].device
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     layers = []
-    for w_gate_up, w_down in experts:
+    for w_gate_up, w_down, gate_up_scales, down_scales in experts:
         x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype)
         weights, ids = select_experts(torch.randn(num_tokens, shape.num_experts, generator=gen, device=device).to(dtype), shape.top_k)
-        layers.append(_Layer(x, w_gate_up, w_down, weights, ids))
+        layers.append(_Layer(x, w_gate_up, w_down, weights, ids, gate_up_scales, down_scales))
     return layers
 
 
-def _time_candidate(fn: Callable[[int], torch.Tensor], expected: torch.Tensor, layers: int, device: torch.device) -> dict:
+def _bound(layer: _Layer) -> float:
+    """How far a kernel may be from its reference: the dtype's rounding, or FP8's bound."""
+    return REL_L2_BOUND[layer.x.dtype] if layer.gate_up_scales is None else FP8_REL_L2_BOUND
+
+
+def _time_candidate(fn: Callable[[int], torch.Tensor], expected: torch.Tensor, bound: float, layers: int, device: torch.device) -> dict:
     """Check (layer 0 against `expected`) then time one launch shape; a shape that cannot
     run here (too much shared memory, say) is recorded with its error, not fatal."""
     try:
         rel_err = _relative_l2(fn(0), expected)
-        if not rel_err <= REL_L2_BOUND[expected.dtype]:
+        if not rel_err <= bound:
             return {"us": math.inf, "rel_err": rel_err, "error": "disagrees with the reference"}
         return {"us": 1000 * _ms_per_call(fn, layers, device), "rel_err": rel_err}
     except Exception as error:  # noqa: BLE001 - one bad candidate must not lose the others
@@ -295,14 +363,35 @@ def _fastest(rows: list[dict]) -> dict | None:
     return min(ran, key=lambda row: row["us"]) if ran else None
 
 
+def _stage_references(layer: _Layer, w8a8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act [tokens, k, I], weighted down [tokens, k, hidden]) of `layer` by the reference of
+    its experts: transformers' arithmetic for bf16, `fused_moe_fp8_ref`'s path for FP8 (w8a8
+    for the grouped GEMMs, w8a16 for the per-pair kernels)."""
+    if layer.gate_up_scales is None:
+        act = moe_gate_up_ref(layer.x, layer.w_gate_up, layer.ids)
+        return act, moe_down_ref(act, layer.w_down, layer.weights, layer.ids)
+    return fused_moe_fp8_stages_ref(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, layer.gate_up_scales, layer.down_scales, w8a8)
+
+
+def _stage_input(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GEMM's input as the kernel takes it: as it is, or (w8a8) quantized per token and 128
+    columns by torch, which the kernels' quantization equals bit for bit on the GPU."""
+    return quantize_fp8_ref(x, FP8_BLOCK) if quantize else (x, None)
+
+
 def _stage_runner(stage: str, block_m: int, shape: MoeShape, layers: list[_Layer], act_ref: torch.Tensor) -> Callable[..., torch.Tensor]:
     """run(layer_index, tile=...) of one stage; every layer's down stage reads layer 0's
-    reference activations (of the same shape: only layer 0's output is checked)."""
-    gate_up, down = _stage_kernels(block_m, shape)
+    reference activations (of the same shape: only layer 0's output is checked). The grouped
+    GEMMs of FP8 experts get their inputs quantized beforehand (w8a8), untimed."""
+    dtype = layers[0].x.dtype
+    w8a8 = block_m > 1 and layers[0].gate_up_scales is not None
+    gate_up, down = _stage_kernels(block_m, shape, dtype)
     blocks = [moe_align(layer.ids, shape.num_experts, block_m) if block_m > 1 else None for layer in layers]
     if stage == "gate_up":
-        return lambda i, tile: gate_up(layers[i].x, layers[i].w_gate_up, layers[i].weights, layers[i].ids, blocks[i], tile)
-    return lambda i, tile: down(act_ref, layers[i].w_down, layers[i].weights, layers[i].ids, blocks[i], tile)
+        inputs = [_stage_input(layer.x, w8a8) for layer in layers]
+        return lambda i, tile: gate_up(*inputs[i], layers[i].w_gate_up, layers[i].gate_up_scales, layers[i].weights, layers[i].ids, blocks[i], tile)
+    act = _stage_input(act_ref, w8a8)
+    return lambda i, tile: down(*act, layers[i].w_down, layers[i].down_scales, layers[i].weights, layers[i].ids, blocks[i], tile)
 
 
 def _sweep_token_count(
@@ -311,18 +400,17 @@ def _sweep_token_count(
     """Per BLOCK_M the fastest checked tile of each stage; of those configs, the one whose
     whole layer is fastest (the align and sum launches differ between them)."""
     first = layers[0]
-    act_ref = moe_gate_up_ref(first.x, first.w_gate_up, first.ids)
-    down_ref = moe_down_ref(act_ref, first.w_down, first.weights, first.ids)
-    out_ref = down_ref.float().sum(dim=1).to(down_ref.dtype)  # what fused_moe_ref returns
-    act_ref, down_ref = act_ref.flatten(0, 1), down_ref.flatten(0, 1)
     tried: list[dict] = []
     best: tuple[float, MoeConfig, dict, dict] | None = None
     for block_m, gate_up_tiles, down_tiles in choices(num_tokens):
+        act_ref, down_ref = _stage_references(first, w8a8=block_m > 1)
+        out_ref = down_ref.float().sum(dim=1).to(down_ref.dtype)  # what the whole layer's reference returns
+        act_ref, down_ref = act_ref.flatten(0, 1), down_ref.flatten(0, 1)
         stage_rows: dict[str, list[dict]] = {"gate_up": [], "down": []}
         for stage, tiles, expected in (("gate_up", gate_up_tiles, act_ref), ("down", down_tiles, out_ref if block_m == 1 else down_ref)):
             run = _stage_runner(stage, block_m, shape, layers, act_ref)
             for tile in tiles:
-                timing = _time_candidate(functools.partial(run, tile=tile), expected, len(layers), device)
+                timing = _time_candidate(functools.partial(run, tile=tile), expected, _bound(first), len(layers), device)
                 row = {"tokens": num_tokens, "stage": stage, "block_m": block_m, "tile": asdict(tile), **timing}
                 stage_rows[stage].append(row)
                 tried.append(row)
@@ -343,7 +431,8 @@ def _sweep_token_count(
 
 
 def _whole_layer(layer: _Layer, config: MoeConfig, pdl_max_rows: int = 0) -> torch.Tensor:
-    return fused_moe(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, config, pdl_max_rows=pdl_max_rows)
+    return fused_moe(layer.x, layer.w_gate_up, layer.w_down, layer.weights, layer.ids, config, pdl_max_rows=pdl_max_rows,
+                     gate_up_scales=layer.gate_up_scales, down_scales=layer.down_scales)  # fmt: skip
 
 
 def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config: MoeConfig, copy: float | None, device: torch.device) -> dict:
@@ -352,7 +441,11 @@ def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config:
     per second as a share of copy bandwidth."""
     first = layers[0]
     dtype = first.x.dtype
-    expected = fused_moe_ref(first.x, first.w_gate_up, first.w_down, first.weights, first.ids)
+    if first.gate_up_scales is None:
+        expected = fused_moe_ref(first.x, first.w_gate_up, first.w_down, first.weights, first.ids)
+    else:
+        expected = fused_moe_fp8_ref(first.x, first.w_gate_up, first.w_down, first.weights, first.ids, first.gate_up_scales, first.down_scales,
+                                     fp8_activations=config.block_m > 1)  # fmt: skip
     rel_err = _relative_l2(_whole_layer(first, config), expected)
     us = 1000 * _ms_per_call(lambda i: _whole_layer(layers[i], config), len(layers), device)
     us_pdl = align_us = sum_us = None
@@ -363,37 +456,39 @@ def _time_config(layers: list[_Layer], shape: MoeShape, num_tokens: int, config:
         align_us = 1000 * _ms_per_call(lambda i: moe_align(layers[i].ids, shape.num_experts, config.block_m), len(layers), device)
         sum_us = 1000 * _ms_per_call(lambda i: sum_slots(per_pair, layers[i].ids, shape.num_experts), len(layers), device)
     experts_read = sum(int(layer.ids.unique().numel()) for layer in layers) / len(layers)
-    nbytes = experts_read * shape.expert_bytes(dtype)
+    nbytes = experts_read * shape.expert_bytes(first.w_gate_up.dtype)  # FP8: one byte a weight (block scales: ~1/4096 more)
     tb_s = nbytes / (us * 1e-6) / 1e12
     return {
         "tokens": num_tokens, "config": {"block_m": config.block_m, "gate_up": asdict(config.gate_up), "down": asdict(config.down)},
         "us": us, "us_pdl": us_pdl, "align_us": align_us, "sum_us": sum_us, "experts_read": experts_read,
         "expert_mb": nbytes / 1e6, "tb_s": tb_s, "pct_of_copy": 100 * tb_s / copy if copy else None,
-        "rel_err": rel_err, "ok": rel_err <= REL_L2_BOUND[dtype],
+        "rel_err": rel_err, "ok": rel_err <= _bound(first),
     }  # fmt: skip
 
 
 def sweep_moe(
     shape: MoeShape = QWEN3_VL_30B_A3B, token_counts: tuple[int, ...] = TOKEN_COUNTS, dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cuda", layers: int = 4, choices: Choices = candidates, json_path: Path | str | None = None,
-    compile_workers: int = 12, echo: Callable[[str], None] = print,
+    device: torch.device | str = "cuda", layers: int = 4, choices: Choices | None = None, json_path: Path | str | None = None,
+    compile_workers: int = 12, echo: Callable[[str], None] = print, experts: str = "bf16",
 ) -> dict[str, Any]:  # fmt: skip
-    """Sweep the tile candidates (`choices(num_tokens)`) at each token count. Returns (and
-    with `json_path` saves after each token count, so a run cut short keeps what it
-    measured) a JSON-ready dict: `rows`, the chosen config per token count with its
-    timings and bandwidth; `tried`, every candidate's time and error; the run's facts."""
+    """Sweep the tile candidates (`choices(num_tokens)`; by default `candidates`, or
+    `fp8_candidates` for `experts` "fp8-block") at each token count, the activations in
+    `dtype`. Returns (and with `json_path` saves after each token count, so a run cut short
+    keeps what it measured) a JSON-ready dict: `rows`, the chosen config per token count
+    with its timings and bandwidth; `tried`, every candidate's time and error; the run's facts."""
     device = torch.device(device)
+    choices = choices or (fp8_candidates if experts == "fp8-block" else candidates)
     started = time.perf_counter()
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "experts": experts,
         "date": datetime.date.today().isoformat(), "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape),
         "layers": layers, "compile_workers": compile_workers, "copy_tb_s": copy_tb_s(device) if device.type == "cuda" else None, "rows": [], "tried": [],
     }  # fmt: skip
     if device.type == "cuda" and compile_workers:
-        precompile(shape, token_counts, choices, dtype, device, compile_workers, echo)
-    experts = _make_experts(shape, layers, dtype, device)
+        precompile(shape, token_counts, choices, dtype, device, compile_workers, echo, experts)
+    weights = _make_experts(shape, layers, dtype, device, experts)
     for num_tokens in token_counts:
-        layer_inputs = _route(experts, shape, num_tokens, dtype)
+        layer_inputs = _route(weights, shape, num_tokens, dtype)
         row, tried = _sweep_token_count(layer_inputs, shape, num_tokens, choices, result["copy_tb_s"], device, echo)
         result["rows"].append(row)
         result["tried"] += tried
@@ -422,7 +517,8 @@ def format_sweep(result: dict[str, Any]) -> str:
     rows = [{**row, **row.get("config", {})} for row in result["rows"]]
     cells = [[_cell(row.get(column)) for column in SWEEP_COLUMNS] for row in rows]
     widths = [max([len(c), *(len(line[i]) for line in cells)]) for i, c in enumerate(SWEEP_COLUMNS)]
-    lines = [f"fused MoE {result['shape']} {result['dtype']} on {result['device']}, copy {_cell(result['copy_tb_s'])} TB/s"]
+    lines = [f"fused MoE {result['shape']} {result['dtype']}, {result.get('experts', 'bf16')} experts, on {result['device']}, "
+             f"copy {_cell(result['copy_tb_s'])} TB/s"]  # fmt: skip
     lines += ["  ".join(c.ljust(w) for c, w in zip(SWEEP_COLUMNS, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in cells]
     return "\n".join(lines)
@@ -435,12 +531,13 @@ def write_tuned_table(result: dict[str, Any], path: Path | str = TUNED_TABLE_PAT
     path = Path(path)
     tables = json.loads(path.read_text()) if path.exists() else {}
     shape = MoeShape(**result["shape"])
-    key = ",".join(str(part) for part in shape.key)
+    experts = result.get("experts", "bf16")
+    key = table_key(shape.key, experts)
     configs = dict(tables.get(key, {}).get("configs", {}))
     configs.update({str(row["tokens"]): {**row["config"], "us": round(row["us"], 1), "pct_of_copy": round(row.get("pct_of_copy") or 0, 1)}
                     for row in result["rows"] if "config" in row})  # fmt: skip
     tables[key] = {
-        "measured": f"{result['device']}, {result['dtype']}, {result.get('date', '')}: the whole layer's time; "
+        "measured": f"{result['device']}, {result['dtype']}, {experts} experts, {result.get('date', '')}: the whole layer's time; "
                     "pct_of_copy = expert bytes / time against a device copy",
         "configs": dict(sorted(configs.items(), key=lambda item: int(item[0]))),
     }  # fmt: skip
