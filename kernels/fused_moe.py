@@ -781,6 +781,6 @@ def fp8_tile(tile: GemmTile, gated: bool) -> GemmTile:
     columns takes, and half the steps (each scaled once). Its columns are capped
     (`FP8_MAX_BLOCK_N`): with the table's 128-column gate/up and 256-column down tiles of
     128 rows, ptxas ran out of registers (255) and spilled in the main loop (sm_90, session
-    16), which is where the w8a8 grouped GEMMs lost to bf16 on the H200 (232 against 116 ms
-    for one 30B-A3B prefill step)."""
+    16): the likely reason the w8a8 grouped GEMMs lost to bf16 on the H200 (232 against 116
+    ms for one 30B-A3B prefill step; the capped tiles are not timed yet)."""
     return replace(tile, block_k=FP8_BLOCK, block_n=min(tile.block_n, FP8_MAX_BLOCK_N[gated]))
