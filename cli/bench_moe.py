@@ -21,7 +21,7 @@ def bench_moe(
     fastest per token count as a share of copy bandwidth; the table the engine uses comes from this."""
     import torch
 
-    from vlmbatch.kernels.fused_moe import EXPERT_FORMATS
+    from vlmbatch.bench.moe import EXPERT_FORMATS
 
     if experts not in EXPERT_FORMATS:
         typer.echo(f"--experts must be one of {', '.join(EXPERT_FORMATS)}, not {experts!r}", err=True)

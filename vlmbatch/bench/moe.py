@@ -39,6 +39,7 @@ import torch
 from vlmbatch.engine.kernel_choice import PDL_MAX_BATCH
 from vlmbatch.engine.layers.moe import select_experts
 from vlmbatch.kernels.fused_moe import (
+    EXPERT_FORMATS,
     FP8_BLOCK,
     FP8_REL_L2_BOUND,
     REL_L2_BOUND,
@@ -476,6 +477,8 @@ def sweep_moe(
     `dtype`. Returns (and with `json_path` saves after each token count, so a run cut short
     keeps what it measured) a JSON-ready dict: `rows`, the chosen config per token count
     with its timings and bandwidth; `tried`, every candidate's time and error; the run's facts."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, not {experts!r}")
     device = torch.device(device)
     choices = choices or (fp8_candidates if experts == "fp8-block" else candidates)
     started = time.perf_counter()
