@@ -403,8 +403,12 @@ def _sweep_token_count(
     first = layers[0]
     tried: list[dict] = []
     best: tuple[float, MoeConfig, dict, dict] | None = None
+    references: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by w8a8: bf16 experts have one path
     for block_m, gate_up_tiles, down_tiles in choices(num_tokens):
-        act_ref, down_ref = _stage_references(first, w8a8=block_m > 1)
+        w8a8 = block_m > 1 and first.gate_up_scales is not None
+        if w8a8 not in references:
+            references[w8a8] = _stage_references(first, w8a8)
+        act_ref, down_ref = references[w8a8]
         out_ref = down_ref.float().sum(dim=1).to(down_ref.dtype)  # what the whole layer's reference returns
         act_ref, down_ref = act_ref.flatten(0, 1), down_ref.flatten(0, 1)
         stage_rows: dict[str, list[dict]] = {"gate_up": [], "down": []}
