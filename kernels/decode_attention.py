@@ -247,7 +247,8 @@ def paged_decode_attention(
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            # One tile for every split count the engine picks: a new power of two compiled a variant mid-run.
+            BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
             num_warps=4, **launch_options(pdl),
         )  # fmt: skip
     return out
