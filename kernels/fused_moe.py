@@ -782,5 +782,7 @@ def fp8_tile(tile: GemmTile, gated: bool) -> GemmTile:
     (`FP8_MAX_BLOCK_N`): with the table's 128-column gate/up and 256-column down tiles of
     128 rows, ptxas ran out of registers (255) and spilled in the main loop (sm_90, session
     16): the likely reason the w8a8 grouped GEMMs lost to bf16 on the H200 (232 against 116
-    ms for one 30B-A3B prefill step; the capped tiles are not timed yet)."""
+    ms for one 30B-A3B prefill step; capped, 118 ms in session 17). The sweep with FP8
+    experts (`bench moe --experts fp8-block`) measures tiles of its own; this maps bf16's
+    where no FP8 table is."""
     return replace(tile, block_k=FP8_BLOCK, block_n=min(tile.block_n, FP8_MAX_BLOCK_N[gated]))
