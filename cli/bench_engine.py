@@ -63,6 +63,9 @@ def bench_engine(
     load_format: str = typer.Option("auto", "--load-format", help="dummy: our engine builds its random weights on the GPU in "
                                     "their final dtype (FP8 directly, no bf16 copy: qwen2_5_vl_72b on one H200); no generate() peer; "
                                     "logits checked only with --reference-layers."),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="--no-reference (with --model): build no transformers "
+                                   "model; our engine loads the checkpoint itself, as the product does (a pre-quantized one streamed "
+                                   "from its files: a 72B FP8 checkpoint on one GPU); no generate() peer, no logit check."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="fp8: our engine's KV cache in e4m3 (per-tensor scale 1)."),
     json_out: Path = typer.Option(Path("bench-out/engine.json"), "--json", help="Where to write the figures (rewritten after every phase)."),
 ) -> None:
@@ -86,6 +89,10 @@ def bench_engine(
         raise typer.BadParameter(str(exc), param_hint="--structured / --json-schema") from None
     if quantization not in ("none", "fp8", "fp8-block"):
         raise typer.BadParameter("choose none, fp8 or fp8-block", param_hint="--quantization")
+    if model is not None and not Path(model).is_dir():
+        raise typer.BadParameter(f"no such model folder: {model}", param_hint="--model")
+    if not reference and model is None:
+        raise typer.BadParameter("needs --model: a checkpoint our engine loads itself", param_hint="--no-reference")
     if quantize_vision and quantization == "none":
         raise typer.BadParameter("needs --quantization fp8 or fp8-block", param_hint="--quantize-vision")
     options = BenchOptions(
@@ -101,7 +108,7 @@ def bench_engine(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, min_admission_batch=admission_batch,
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode, quantization=quantization,
-        quantize_vision=quantize_vision, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
+        quantize_vision=quantize_vision, load_format=load_format, reference=reference, kv_cache_dtype=kv_cache_dtype,
         structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"), grammar_fill_threads=grammar_fill_threads,
         repeats=repeats,
     )

@@ -21,7 +21,7 @@ COMMAND_MODULES = ["submit_cmd", "results_cmd", "tiny_cmd", "queue_cmds", "serve
 BENCH_MODULES = [
     "bench_engine", "bench_decode_variants", "bench_jpeg_w1", "bench_kernels", "bench_video", "bench_video_gpu", "bench_media",
     "bench_queue", "bench_serve", "bench_scaling", "bench_dryrun", "bench_structured", "bench_moe", "bench_sampling", "bench_step_inputs",
-    "bench_tower", "bench_video_v1",
+    "bench_tower", "bench_video_v1", "bench_checkpoint",
 ]
 
 for names, target in ((COMMAND_MODULES, app), (BENCH_MODULES, bench_app)):

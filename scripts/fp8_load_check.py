@@ -5,10 +5,9 @@
 
 The lent GPU machines reach no hub, so `--shape` writes a checkpoint of a benchmark shape
 (`vlmbatch/bench/shapes.py`) in the published FP8 layout (`--format`: compressed-tensors
-per channel, or Qwen's 128x128 blocks) with random weights: the vision tower as
-transformers builds it, every decoder projection as random e4m3 values with their scales,
-the rest random bf16, in shards of about 5 GB. The 80 layers of 72B take ~75 GB of disk
-(nvidia-h200-x2 has 128 GB; one H200 machine 64 GB: use `--layers 40` there).
+per channel, or Qwen's 128x128 blocks) with random weights, shard by shard, as `vlmbatch
+bench make-checkpoint` does (`vlmbatch/bench/checkpoint.py`). The 80 layers of 72B take
+~77 GB of disk (nvidia-h200-x2 has 128 GB; one H200 machine 64 GB: use `--layers 40` there).
 
 Reported: load seconds; the decoder's GiB; the most GPU memory allocated while loading (the
 KV cache is sized after it); the process's peak resident memory (VmHWM, reset before the
@@ -19,7 +18,6 @@ greedy requests (gibberish on random weights; text on a real checkpoint).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import time
@@ -27,67 +25,17 @@ from pathlib import Path
 
 import torch
 
-SHARD_BYTES = 5 * 2**30
-_PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
-
-
 def write_checkpoint(shape_name: str, layers: int | None, fmt: str, workdir: Path, device: str = "cuda") -> Path:
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    """`vlmbatch bench make-checkpoint`'s writer, on the shape cut to `layers` decoder layers when given."""
+    from dataclasses import replace
 
-    from vlmbatch.bench.shapes import resolve_shape, write_model_folder
-    from vlmbatch.testing.fp8_checkpoints import quantization_config
+    from vlmbatch.bench.checkpoint import write_random_checkpoint
+    from vlmbatch.bench.shapes import resolve_shape
 
     shape = resolve_shape(shape_name)
-    path = write_model_folder(shape, workdir)
-    config = json.loads((path / "config.json").read_text())
     if layers is not None:
-        config["text_config"]["num_hidden_layers"] = layers
-        if config["text_config"].get("layer_types"):
-            config["text_config"]["layer_types"] = config["text_config"]["layer_types"][:layers]
-    config["quantization_config"] = quantization_config(fmt)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    hf_config = AutoConfig.from_pretrained(path)
-    del hf_config.quantization_config
-    with torch.device("meta"):
-        meta = AutoModelForImageTextToText.from_config(hf_config, dtype=torch.bfloat16)
-    shard: dict[str, torch.Tensor] = {}
-    size, weight_map = 0, {}
-
-    def flush() -> None:
-        nonlocal shard, size
-        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-        shard, size = {}, 0
-
-    def add(key: str, tensor: torch.Tensor) -> None:
-        nonlocal size
-        if size + tensor.numel() * tensor.element_size() > SHARD_BYTES and shard:
-            flush()
-        shard[key] = tensor.cpu()
-        size += tensor.numel() * tensor.element_size()
-
-    gen = torch.Generator(device).manual_seed(0)
-    for key, param in meta.state_dict().items():
-        dims = tuple(param.shape)
-        if _PROJECTION.search(key) and "visual" not in key:
-            weight = torch.empty(dims, device=device, dtype=torch.float8_e4m3fn)
-            for start in range(0, dims[0], 4096):  # a few MB of bf16 temporary at a time
-                rows = weight[start : start + 4096]
-                rows.copy_(torch.randn(rows.shape, device=device, generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn))
-            add(key, weight)
-            if fmt == "fp8-block":
-                add(key.removesuffix("weight") + "weight_scale_inv", torch.full((-(-dims[0] // 128), -(-dims[1] // 128)), 0.02))
-            else:
-                add(key.removesuffix("weight") + "weight_scale", torch.full((dims[0], 1), 0.02, dtype=torch.bfloat16))
-        elif re.search(r"(norm\d?|ln_q)\.weight$", key):
-            add(key, torch.ones(dims, device=device, dtype=torch.bfloat16))
-        else:
-            add(key, torch.randn(dims, device=device, generator=gen, dtype=torch.bfloat16) * 0.02)
-    flush()
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return path
+        shape = replace(shape, text={**shape.text, "num_hidden_layers": layers})
+    return write_random_checkpoint(shape, workdir, fmt, device=torch.device(device))
 
 
 def host_peak_reset() -> None:

@@ -77,6 +77,30 @@ def test_quantize_vision_without_a_quantization_is_refused():
     assert result.exit_code == 2 and "needs --quantization fp8 or fp8-block" in result.output
 
 
+def test_a_written_checkpoint_runs_through_the_products_loader_without_a_reference(tmp_path):
+    """`bench make-checkpoint` then `bench engine --model DIR --no-reference` (the 72B FP8
+    run's two commands): no transformers model, so no generate() peer (skipped, saying why)
+    and no logit check; our engine loads the FP8 checkpoint itself and runs W1."""
+    from vlmbatch.cli.commands import app
+
+    made = CliRunner().invoke(app, ["bench", "make-checkpoint", str(tmp_path / "ckpt"), "--model-shape", "tiny",
+                                    "--quantization", "fp8-block", "--shard-mib", "1"])
+    assert made.exit_code == 0, made.output
+    result, report = _bench_engine(tmp_path, "--model", str(tmp_path / "ckpt" / "tiny"), "--no-reference", "--peer", "hf")
+    assert report["ok"] and not report["errors"] and report["correctness"]["backends"] == {}
+    assert report["peers"]["hf"] == {"status": "skipped", "reason": "--no-reference builds no transformers model"}
+    assert [r["engine"] for r in report["runs"]] == ["paged"] and report["runs"][0]["requests"] == 4
+
+
+@pytest.mark.parametrize("flags, message", [(["--model-shape", "tiny", "--no-reference"], "needs --model"),
+                                            (["--model", "/nonexistent/model"], "no such model folder")])
+def test_bench_engine_refuses_a_reference_free_run_without_a_checkpoint(flags, message):
+    from vlmbatch.cli.commands import app
+
+    result = CliRunner().invoke(app, ["bench", "engine", "--device", "cpu", *flags])
+    assert result.exit_code == 2 and message in result.output
+
+
 def test_summary_puts_both_peers_beside_ours_with_the_ratios():
     runs = [RunResult("hf-generate-b128", "w1", 1024, 1024 / 21.6, 1024 * 128, extra={"batch_size": 128}),
             RunResult("hf-generate-b256", "w1", 1024, 1024 / 26.2, 1024 * 128, extra={"batch_size": 256}),

@@ -436,3 +436,26 @@ def test_streaming_refuses_a_checkpoint_missing_a_decoder_tensor(fp8_dir, tmp_pa
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(JobError, match="no tensor layers.1.mlp.down_proj.weight"):
         PagedEngine(load_adapter(str(path)), EngineConfig(**ENGINE))
+
+
+@pytest.mark.parametrize("shape_name, family, fmt", [("tiny", "qwen2_5_vl", "fp8-dynamic"), ("tiny_qwen3_vl_moe", "qwen3_vl_moe", "fp8-block")])
+def test_a_checkpoint_written_shard_by_shard_streams_into_the_engine(tmp_path, shape_name, family, fmt):
+    """`bench make-checkpoint` (how a 72B FP8 checkpoint is made on the GPU machine) writes a
+    shape's random weights without building the model. Written in bf16 and in `fmt` from
+    the same draws, in shards of 32 KiB: the FP8 one is the bf16 one quantized (experts one
+    per tensor), its index names every shard, and our engine streams it to the same greedy
+    tokens as transformers holding the bf16 checkpoint with the dequantized weights."""
+    from vlmbatch.bench.checkpoint import write_random_checkpoint
+    from vlmbatch.bench.shapes import resolve_shape
+    from vlmbatch.testing.fp8_checkpoints import quantization_config
+
+    torch.set_num_threads(1)
+    shape, cpu = resolve_shape(shape_name), torch.device("cpu")
+    plain = write_random_checkpoint(shape, tmp_path / "bf16", "none", shard_bytes=1 << 15, seed=3, device=cpu, echo=lambda _: None)
+    path = write_random_checkpoint(shape, tmp_path / fmt, fmt, shard_bytes=1 << 15, seed=3, device=cpu, echo=lambda _: None)
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1 and set(weight_map.values()) == {p.name for p in path.glob("*.safetensors")}
+    assert json.loads((path / "config.json").read_text())["quantization_config"] == quantization_config(fmt)
+    assert all(load_file(str(path / file))[key].dtype == torch.float8_e4m3fn for key, file in weight_map.items() if ".experts." in key
+               and key.endswith(".weight"))  # fmt: skip
+    _assert_greedy_equal(path, dequantized_reference(plain, path), family, count=4)

@@ -36,10 +36,17 @@ _LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|
 # The vision tower's and projector's keys, which both formats' ignore lists name (a SigLIP
 # tower's encoder layers have the same q/k/v/o and MLP names as the language model's).
 _VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|connector)\.")
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
+FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
 
-def _quantized(fmt: str, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantizes(key: str) -> bool:
+    """Whether both formats store this checkpoint key's weight in FP8 (a language-model
+    projection; fused expert tensors are split per expert first)."""
+    return bool(_LINEAR.search(key)) and not _VISION.search(key)
+
+
+def quantized_tensors(fmt: str, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`weight` under `key` as format `fmt` stores it: the e4m3 weight and its scale."""
     base = key.removesuffix(".weight")
     if fmt == "fp8-block":
         q, s = quantize_fp8_blocks_ref(weight, BLOCK)
@@ -89,14 +96,14 @@ def quantize_checkpoint(directory: str | Path, fmt: str) -> Path:
         tensors = load_file(str(path))
         out: dict[str, torch.Tensor] = {}
         for key, tensor in tensors.items():
-            fused = _FUSED_EXPERTS.match(key)
-            if _LINEAR.search(key) and not _VISION.search(key):
-                out.update(_quantized(fmt, key, tensor))
+            fused = FUSED_EXPERTS.match(key)
+            if quantizes(key):
+                out.update(quantized_tensors(fmt, key, tensor))
             elif fused:  # one tensor per expert, from transformers' own reading of the fused tensor
                 for expert, weight in enumerate(_loaded_experts(directory, key)):
                     names = ("gate_proj", "up_proj") if fused["name"] == "gate_up_proj" else ("down_proj",)
                     for name, part in zip(names, weight.chunk(len(names))):
-                        out.update(_quantized(fmt, f"{fused['prefix']}.{expert}.{name}.weight", part.contiguous()))
+                        out.update(quantized_tensors(fmt, f"{fused['prefix']}.{expert}.{name}.weight", part.contiguous()))
             else:
                 out[key] = tensor
         save_file(out, str(path), metadata={"format": "pt"})
