@@ -207,11 +207,12 @@ def decode_plan(rows: int, n: int, k: int, per_token: bool, num_sms: int = H200_
 # buffer serves every later launch. Buffers are never freed or replaced (a CUDA graph keeps the
 # addresses it captured), only added when a launch needs more, and never during a capture: a
 # launch captured before its size was ever run eagerly runs unsplit instead. Split launches on
-# two streams of one device at once would share the buffers: the engine runs one stream.
+# two streams of one device at once would share the buffers: the engine runs one stream. The
+# fused MoE's slot-split down kernel (`fused_moe._token_down_split_kernel`) takes them too.
 _SPLIT_WORKSPACE: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def _split_buffers(device: torch.device, partials: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def split_buffers(device: torch.device, partials: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     held = _SPLIT_WORKSPACE.setdefault(device, [])
     if held and held[-1][0].numel() >= partials and held[-1][1].numel() >= tiles:
         return held[-1]
@@ -324,7 +325,7 @@ def _launch_decode(a: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     if split > 1 and split * rows * n >= 1 << 31:  # partial offsets are int32 in the kernel: decode sizes are far below
         split, per_split = 1, k_steps
     if split > 1:
-        buffers = _split_buffers(a.device, split * rows * n, tiles)
+        buffers = split_buffers(a.device, split * rows * n, tiles)
         if buffers is None:
             split, per_split = 1, k_steps
         else:

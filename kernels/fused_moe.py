@@ -20,7 +20,8 @@ us of ramp, tail and gap between kernels) counts; an expert that two pairs chose
 twice, which costs little while few tokens share one. Each of the two is a GEMV or (a
 tile's `mma_rows`) a tensor-core variant whose weight tiles stream through Triton's
 cp.async pipeline, optionally with each program's whole weight slice asked of L2 up front
-(`prefetch`); the table says which, per stage and token count.
+(`prefetch`), and the down GEMV may split a token's k slots over k programs (`split_slots`);
+the table says which, per stage and token count.
 
 A decode step is bound by reading the weights of the experts its tokens chose (9.4 MB an
 expert at the 30B-A3B shapes), so the work depends on bytes, not FLOPs: grids are sized
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import quantize_fp8
+from .fp8 import quantize_fp8, split_buffers
 from .pdl import follow_previous, launch_options, pdl_launch
 
 FP8_BLOCK = 128  # FP8 expert weights: one scale per 128 x 128 block
@@ -77,7 +78,9 @@ class GemmTile:
     tiles then stream through the software pipeline, num_stages deep, as the grouped GEMMs'
     do, while no sort is needed). `prefetch` (MMA variants, on a CUDA device): each program
     first asks L2 for its whole weight slice (`_prefetch_l2`), so that all of its bytes are
-    in flight at once rather than num_stages tiles of them."""
+    in flight at once rather than num_stages tiles of them. `split_slots` (the per-token
+    down GEMV): 1 gives each of a token's k slots its own programs
+    (`_token_down_split_kernel`), k times the programs, each streaming one expert's rows."""
 
     block_n: int
     block_k: int
@@ -86,6 +89,7 @@ class GemmTile:
     num_stages: int = 3
     mma_rows: int = 0
     prefetch: int = 0
+    split_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -622,6 +626,54 @@ def _token_down_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(per_slot, axis=0).to(dtype), mask=offs_n < N)
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _token_down_split_kernel(
+    act_ptr, w_ptr, ws_ptr, ids_ptr, routing_ptr, out_ptr, partial_ptr, count_ptr, N, K, num_experts, num_tokens,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
+):  # fmt: skip
+    """`_token_down_kernel` with a token's k slots in k programs: each streams BLOCK_N
+    contiguous rows of one expert and stores its weighted product, rounded where the grouped
+    path rounds it, in float32; the last of the k to arrive (an acq_rel counter per output
+    tile) adds the k in slot order, writes the token's rows and resets the counter, so
+    every launch sums alike. k times the per-token kernel's programs: more bytes in flight
+    while a few tokens cannot fill the GPU."""
+    if PDL:
+        follow_previous(PDL)
+    tile = tl.program_id(0)
+    slot = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    token = (tile // n_tiles).to(tl.int64)
+    offs_n = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    pair = token * TOP_K + slot
+    expert = tl.load(ids_ptr + pair)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if (expert >= 0) & (expert < num_experts):  # no expert: its share is 0
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a = tl.load(act_ptr + pair * stride_am + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            if FP8_W:  # as `_token_down_kernel` dequantizes
+                s_ptrs = ws_ptr + expert.to(tl.int64) * stride_wse + (offs_n[:, None] // SCALE_ROWS) * stride_wsn + offs_k[None, :] // _FP8_BLOCK
+                w = (w * tl.load(s_ptrs, mask=w_mask, other=0.0)).to(act_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+        acc = (acc * tl.load(routing_ptr + pair).to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(partial_ptr + (slot * num_tokens + token) * N + offs_n, acc, mask=n_mask)
+    tl.debug_barrier()  # every thread's share is written before the arrival is released
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k_slot in range(TOP_K):  # slot order, whoever arrived last
+            total += tl.load(partial_ptr + (k_slot * num_tokens + token) * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 @triton.jit
 def _token_down_mma_kernel(
     act_ptr, w_ptr, ws_ptr, ids_ptr, routing_ptr, out_ptr, N, K, num_experts,
@@ -704,13 +756,16 @@ def pair_gate_up(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.
 
 def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
                pdl: bool = False, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """`expert_down` and `sum_slots` in one launch: programs per token and BLOCK_N columns."""
+    """`expert_down` and `sum_slots` in one launch: programs per token and BLOCK_N columns
+    (and per slot with `tile.split_slots`)."""
     _check_row_major(act, w_down)
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, k = w_down.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_down, scales)
-    if num_tokens and tile.mma_rows:
+    if not num_tokens:
+        return out
+    if tile.mma_rows:
         _token_down_mma_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
             act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
             act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
@@ -718,7 +773,7 @@ def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tens
             DOT_PRECISION="ieee" if act.dtype == torch.float32 else "tf32", FP8_W=scales is not None, SCALE_ROWS=scale_rows,
             PREFETCH=prefetch_pieces(w_down, bool(tile.prefetch)), num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
         )  # fmt: skip
-    elif num_tokens:
+    elif not (tile.split_slots and _token_down_split(act, w_down, topk_weights, topk_ids, tile, pdl, scales, out)):
         _token_down_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
             act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
             act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
@@ -727,6 +782,26 @@ def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tens
             num_warps=tile.num_warps, **launch_options(pdl),
         )  # fmt: skip
     return out
+
+
+def _token_down_split(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
+                      pdl: bool, scales: torch.Tensor | None, out: torch.Tensor) -> bool:  # fmt: skip
+    """`_token_down_split_kernel` into `out`; False where its workspace cannot be had (first
+    sized inside a CUDA graph capture: `fp8.split_buffers`), for the unsplit kernel to run."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, hidden, k = w_down.shape
+    tiles = num_tokens * triton.cdiv(hidden, tile.block_n)
+    buffers = split_buffers(act.device, top_k * num_tokens * hidden, tiles)
+    if buffers is None:
+        return False
+    ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_down, scales)
+    _token_down_split_kernel[(tiles, top_k)](
+        act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, *buffers, hidden, k, num_experts, num_tokens,
+        act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
+        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FP8_W=scales is not None, SCALE_ROWS=scale_rows,
+        num_warps=tile.num_warps, **launch_options(pdl),
+    )  # fmt: skip
+    return True
 
 
 def fused_moe(

@@ -265,9 +265,9 @@ def test_split_k_workspace_grows_by_adding_buffers(monkeypatch):
 
     device = torch.device("cpu")
     monkeypatch.setitem(fp8._SPLIT_WORKSPACE, device, [])
-    first = fp8._split_buffers(device, 1000, 10)
-    assert fp8._split_buffers(device, 1 << 20, 4096) is first  # the minimum sizes: 1M partials, 4096 counters
-    second = fp8._split_buffers(device, (1 << 20) + 1, 10)
+    first = fp8.split_buffers(device, 1000, 10)
+    assert fp8.split_buffers(device, 1 << 20, 4096) is first  # the minimum sizes: 1M partials, 4096 counters
+    second = fp8.split_buffers(device, (1 << 20) + 1, 10)
     assert second[0].numel() == 2 << 20 and not second[1].any() and fp8._SPLIT_WORKSPACE[device] == [first, second]
 
 
@@ -279,8 +279,8 @@ def test_split_k_workspace_is_never_allocated_during_a_graph_capture(monkeypatch
     device = torch.device("cuda", 7)  # a key only: nothing is allocated on it here
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setitem(fp8._SPLIT_WORKSPACE, device, [(torch.empty(100), torch.zeros(10, dtype=torch.int32))])
-    assert fp8._split_buffers(device, 100, 10) is fp8._SPLIT_WORKSPACE[device][-1]
-    assert fp8._split_buffers(device, 101, 10) is None and fp8._split_buffers(device, 100, 11) is None
+    assert fp8.split_buffers(device, 100, 10) is fp8._SPLIT_WORKSPACE[device][-1]
+    assert fp8.split_buffers(device, 101, 10) is None and fp8.split_buffers(device, 100, 11) is None
     assert len(fp8._SPLIT_WORKSPACE[device]) == 1
 
 
@@ -528,10 +528,10 @@ def test_kernel_kv_write_into_an_fp8_cache_clamps_and_rounds():
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_m, mma_rows, block_k", [(1, 0, 64), (1, 16, 64), (16, 0, 64), (16, 0, 256)],
-                         ids=["per-pair", "per-pair-mma", "grouped", "grouped-wide-k-steps"])
+@pytest.mark.parametrize("block_m, mma_rows, block_k, split_slots", [(1, 0, 64, 0), (1, 16, 64, 0), (1, 0, 64, 1), (16, 0, 64, 0), (16, 0, 256, 0)],
+                         ids=["per-pair", "per-pair-mma", "per-pair-split-slots", "grouped", "grouped-wide-k-steps"])
 @pytest.mark.parametrize("per_row_scales", [False, True], ids=["block-scales", "per-row-block-scales"])
-def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, mma_rows, block_k, per_row_scales):
+def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, mma_rows, block_k, split_slots, per_row_scales):
     """Block-scaled e4m3 experts (Qwen3-VL-30B-A3B-Instruct-FP8's layout): the per-pair GEMVs
     (and their MMA variants) dequantize each tile as `fused_moe_fp8_ref` dequantizes the whole
     expert, so they agree to the float32 order of additions; the grouped GEMMs quantize
@@ -555,7 +555,7 @@ def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, mma_ro
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE) * 0.1
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
     weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
-    config = MoeConfig(block_m, GemmTile(32, block_k, mma_rows=mma_rows), GemmTile(32, block_k, mma_rows=mma_rows))
+    config = MoeConfig(block_m, GemmTile(32, block_k, mma_rows=mma_rows), GemmTile(32, block_k, mma_rows=mma_rows, split_slots=split_slots))
     out = fused_moe(x, w_gate_up, w_down, weights, ids, config, gate_up_scales=s_gate_up, down_scales=s_down)
     ref = fused_moe_fp8_ref(x, w_gate_up, w_down, weights, ids, s_gate_up, s_down, fp8_activations=block_m > 1)
     # The grouped GEMMs quantize their inputs with `quantize_fp8`, bit for bit torch's cast on

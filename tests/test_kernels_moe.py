@@ -36,6 +36,7 @@ DTYPES = TARGET.dtypes if TARGET else ()
 SMALL_TILES = MoeConfig(16, GemmTile(32, 32), GemmTile(32, 32))
 PER_PAIR = MoeConfig(1, GemmTile(16, 32), GemmTile(8, 16))  # the GEMV kernels of a handful of tokens
 PER_PAIR_MMA = MoeConfig(1, GemmTile(16, 32, 1, 4, 3, mma_rows=16), GemmTile(16, 16, 1, 4, 3, mma_rows=16))  # their tensor-core variants
+PER_PAIR_SPLIT = MoeConfig(1, GemmTile(16, 32), GemmTile(8, 16, split_slots=1))  # the down GEMV with a program per slot
 
 
 def routing(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int, hot: int | None = None, idle: tuple[int, ...] = ()):
@@ -108,6 +109,21 @@ def test_kernel_per_pair_mma_matches_the_reference_and_the_other_paths(dtype, nu
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (3, 4), (5, 2)])
+def test_kernel_down_split_over_slots_sums_them_in_slot_order_every_launch(dtype, num_tokens, top_k):
+    """The per-token down with each slot in its own programs: the last to arrive adds the k
+    shares in slot order, so it gives the reference's function, the unsplit GEMV's result
+    to the float32 order of the k additions, and the same bits launch after launch (the
+    arrival counters are back at 0 after each)."""
+    inputs = moe_inputs(num_tokens, 12, top_k, 48, 40, dtype, seed=40 + num_tokens, hot=11)
+    out = assert_matches_reference(inputs, PER_PAIR_SPLIT)
+    assert relative_l2(out, fused_moe(*inputs, config=PER_PAIR)) < REL_L2_BOUND[dtype]
+    for _ in range(2):
+        assert torch.equal(fused_moe(*inputs, config=PER_PAIR_SPLIT), out)
+
+
+@needs_kernels
 @pytest.mark.parametrize("num_tokens", [1, 3])
 def test_kernel_per_token_down_in_one_k_step_wider_than_k(num_tokens):
     """The one-token down tiles that read a pair's whole row in one K step (BLOCK_K past K,
@@ -128,7 +144,7 @@ def test_kernel_uneven_loads(dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("config", [SMALL_TILES, PER_PAIR, PER_PAIR_MMA], ids=["grouped", "per pair", "per pair mma"])
+@pytest.mark.parametrize("config", [SMALL_TILES, PER_PAIR, PER_PAIR_MMA, PER_PAIR_SPLIT], ids=["grouped", "per pair", "per pair mma", "per pair split"])
 def test_kernel_pairs_on_no_expert_add_nothing(config):
     """Ids outside [0, experts) (a captured batch's padding rows) take no expert."""
     x, w_gate_up, w_down, weights, ids = moe_inputs(6, 8, 2, 32, 32, DTYPES[0], seed=6)
@@ -354,6 +370,7 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
 
     from vlmbatch.kernels.fused_moe import (
         _expert_gemm_kernel, _pair_gate_up_kernel, _place_pairs_kernel, _sum_slots_kernel, _token_down_kernel, _token_down_mma_kernel,
+        _token_down_split_kernel,
     )  # fmt: skip
 
     def build(fn, args: dict[str, str], constants: dict, **options) -> str:
@@ -386,6 +403,9 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
                          "N K num_experts stride_am stride_we stride_wn stride_wse stride_wsn stride_om")  # fmt: skip
         ptx = build(_token_down_kernel, down, dict(TOP_K=8, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=False, **fp8), num_warps=4)
         assert "ld.global.v4" in ptx or "ld.global.v2" in ptx
+        split = down | signature({"partial_ptr": "*fp32", "count_ptr": "*i32"}, "num_tokens")
+        ptx = build(_token_down_split_kernel, split, dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, PDL=True, **fp8), num_warps=4)
+        assert ("ld.global.v4" in ptx or "ld.global.v2" in ptx) and "atom.global.gpu.acq_rel.add" in ptx, f"slot-split down {weights}"
         for tile, pdl in ((GemmTile(16, 256, 1, 4, 6, 16), True), (GemmTile(32, 128, 1, 4, 4, 16), False), (GemmTile(16, 128, 1, 4, 4, 16, 2), True)):
             constants = dict(TOP_K=8, SLOTS=8, BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION="tf32", PDL=pdl,
                              PREFETCH=tile.prefetch, **fp8)  # fmt: skip
@@ -501,11 +521,13 @@ BF16_REL_L2 = REL_L2_BOUND[torch.bfloat16]  # bf16's unit roundoff; why, at REL_
 A3B_PER_PAIR = MoeConfig(1, GemmTile(8, 512, 1, 2, 1), GemmTile(8, 256, 1, 4, 1))
 A3B_PER_PAIR_MMA = MoeConfig(1, GemmTile(16, 256, 1, 4, 4, 16), GemmTile(16, 256, 1, 4, 6, 16))
 A3B_PER_PAIR_MMA_PREFETCH = MoeConfig(1, GemmTile(64, 128, 1, 4, 4, 16, 1), GemmTile(16, 128, 1, 4, 4, 16, 1))  # bulk L2 prefetches
+A3B_PER_PAIR_SPLIT = MoeConfig(1, GemmTile(8, 512, 1, 2, 1), GemmTile(16, 256, 1, 4, 1, split_slots=1))  # the down split over slots
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, config", [(1, None), (64, None), (256, None), (2048, None), (1, A3B_PER_PAIR), (4, A3B_PER_PAIR),
-                                                  (1, A3B_PER_PAIR_MMA), (8, A3B_PER_PAIR_MMA), (1, A3B_PER_PAIR_MMA_PREFETCH), (4, A3B_PER_PAIR_MMA_PREFETCH)])
+                                                  (1, A3B_PER_PAIR_MMA), (8, A3B_PER_PAIR_MMA), (1, A3B_PER_PAIR_MMA_PREFETCH), (4, A3B_PER_PAIR_MMA_PREFETCH),
+                                                  (1, A3B_PER_PAIR_SPLIT), (4, A3B_PER_PAIR_SPLIT)])
 def test_gpu_bf16_at_30b_a3b_shapes(num_tokens, config):
     """The tuned (or default) launch shapes at decode and prefill sizes, and the per-pair kernels."""
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 products stay exact
@@ -537,7 +559,8 @@ def test_gpu_fp8_block_experts_at_30b_a3b_shapes(num_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, pdl, config", [(1, True, None), (2, True, A3B_PER_PAIR), (2, True, A3B_PER_PAIR_MMA), (1, True, A3B_PER_PAIR_MMA_PREFETCH), (64, False, None), (256, False, None)])
+@pytest.mark.parametrize("num_tokens, pdl, config", [(1, True, None), (2, True, A3B_PER_PAIR), (2, True, A3B_PER_PAIR_MMA), (1, True, A3B_PER_PAIR_MMA_PREFETCH),
+                                                     (1, True, A3B_PER_PAIR_SPLIT), (64, False, None), (256, False, None)])
 def test_gpu_fused_moe_replays_in_a_cuda_graph(num_tokens, pdl, config):
     """Captured once, replayed with new routings (one with a hot expert taking a pair of
     every token): no host synchronisation, buffers big enough for any routing."""

@@ -122,8 +122,13 @@ PAIR_GATE_UP_TILES = (GemmTile(8, 512, 1, 2, 1), GemmTile(8, 1024, 1, 4, 1), Gem
 # At one token the down GEMV ran at 47% of copy bandwidth (benchmarks/2026-12-02/s9-moe.log:
 # 4/256, three dependent K steps of 768): the 512- and 1024-column steps put a pair's whole
 # row in flight in one or two loads.
+# The slot-split GEMV (`split_slots`): a program per (token, BLOCK_N rows, slot), each
+# streaming one expert's BLOCK_N contiguous rows: at one token 8x the programs of 4/256.
+TOKEN_DOWN_SPLIT_TILES = tuple(GemmTile(n, k, 1, warps, 1, split_slots=1) for n, k, warps in
+                               ((8, 256, 2), (16, 256, 4), (16, 1024, 8), (32, 256, 4), (64, 128, 4)))  # fmt: skip
 TOKEN_DOWN_TILES = (GemmTile(4, 256, 1, 4, 1), GemmTile(8, 128, 1, 4, 1), GemmTile(8, 256, 1, 4, 1), GemmTile(16, 128, 1, 4, 1),
-                    GemmTile(4, 512, 1, 4, 1), GemmTile(2, 1024, 1, 4, 1), GemmTile(4, 1024, 1, 8, 1), *TOKEN_DOWN_MMA_TILES)  # fmt: skip
+                    GemmTile(4, 512, 1, 4, 1), GemmTile(2, 1024, 1, 4, 1), GemmTile(4, 1024, 1, 8, 1), *TOKEN_DOWN_MMA_TILES,
+                    *TOKEN_DOWN_SPLIT_TILES)  # fmt: skip
 
 Candidate = tuple[int, tuple[GemmTile, ...], tuple[GemmTile, ...]]  # BLOCK_M, gate/up tiles, down tiles
 Choices = Callable[[int], list[Candidate]]
@@ -511,9 +516,10 @@ SWEEP_COLUMNS = ["tokens", "block_m", "gate_up", "down", "us", "us_pdl", "gate_u
 
 
 def _cell(value: object) -> str:
-    if isinstance(value, dict):  # a tile (with "/mma16" for a per-pair kernel's MMA variant, "/pf" when it prefetches)
+    if isinstance(value, dict):  # a tile ("/mma16": a per-pair kernel's MMA variant, "/pf": it prefetches, "/slots": split over slots)
         return ("/".join(str(value[k]) for k in ("block_n", "block_k", "group_m", "num_warps", "num_stages"))
-                + (f"/mma{value['mma_rows']}" if value.get("mma_rows") else "") + ("/pf" if value.get("prefetch") else ""))  # fmt: skip
+                + (f"/mma{value['mma_rows']}" if value.get("mma_rows") else "") + ("/pf" if value.get("prefetch") else "")
+                + ("/slots" if value.get("split_slots") else ""))  # fmt: skip
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return "" if value is None else str(value)
