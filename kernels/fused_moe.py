@@ -763,18 +763,26 @@ def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tens
     num_experts, hidden, k = w_down.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_down, scales)
+    strips = triton.cdiv(hidden, tile.block_n)
     if not num_tokens:
         return out
     if tile.mma_rows:
-        _token_down_mma_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
+        _token_down_mma_kernel[(num_tokens, strips)](
             act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
             act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
             TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_M=tile.mma_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             DOT_PRECISION="ieee" if act.dtype == torch.float32 else "tf32", FP8_W=scales is not None, SCALE_ROWS=scale_rows,
             PREFETCH=prefetch_pieces(w_down, bool(tile.prefetch)), num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
         )  # fmt: skip
-    elif not (tile.split_slots and _token_down_split(act, w_down, topk_weights, topk_ids, tile, pdl, scales, out)):
-        _token_down_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
+    elif tile.split_slots and (workspace := split_buffers(act.device, top_k * num_tokens * hidden, num_tokens * strips)):
+        _token_down_split_kernel[(num_tokens * strips, top_k)](
+            act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, *workspace, hidden, k, num_experts, num_tokens,
+            act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
+            TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FP8_W=scales is not None, SCALE_ROWS=scale_rows,
+            num_warps=tile.num_warps, **launch_options(pdl),
+        )  # fmt: skip
+    else:  # the unsplit GEMV, also where the split's workspace cannot be had (first sized inside a capture: `fp8.split_buffers`)
+        _token_down_kernel[(num_tokens, strips)](
             act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden, k, num_experts,
             act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
             TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -782,26 +790,6 @@ def token_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tens
             num_warps=tile.num_warps, **launch_options(pdl),
         )  # fmt: skip
     return out
-
-
-def _token_down_split(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile: GemmTile,
-                      pdl: bool, scales: torch.Tensor | None, out: torch.Tensor) -> bool:  # fmt: skip
-    """`_token_down_split_kernel` into `out`; False where its workspace cannot be had (first
-    sized inside a CUDA graph capture: `fp8.split_buffers`), for the unsplit kernel to run."""
-    num_tokens, top_k = topk_ids.shape
-    num_experts, hidden, k = w_down.shape
-    tiles = num_tokens * triton.cdiv(hidden, tile.block_n)
-    buffers = split_buffers(act.device, top_k * num_tokens * hidden, tiles)
-    if buffers is None:
-        return False
-    ws, stride_wse, stride_wsn, scale_rows = _scale_args(w_down, scales)
-    _token_down_split_kernel[(tiles, top_k)](
-        act, w_down, ws, topk_ids.contiguous(), topk_weights.contiguous(), out, *buffers, hidden, k, num_experts, num_tokens,
-        act.stride(0), w_down.stride(0), w_down.stride(1), stride_wse, stride_wsn, out.stride(0),
-        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FP8_W=scales is not None, SCALE_ROWS=scale_rows,
-        num_warps=tile.num_warps, **launch_options(pdl),
-    )  # fmt: skip
-    return True
 
 
 def fused_moe(

@@ -49,14 +49,9 @@ class Parameter:
         return [(f"{fused['prefix']}.{e}.{name}.weight", (rows // len(names), columns), True) for e in range(experts) for name in names]
 
     def bytes(self, quantization: str) -> int:
-        total = 0
-        for _, shape, fp8 in self.parts(quantization):
-            if fp8:
-                n, k = shape
-                total += n * k + (-(-n // 128) * -(-k // 128) * 4 if quantization == "fp8-block" else n * 2)
-            else:
-                total += torch.Size(shape).numel() * 2
-        return total
+        """What `tensors` writes, worked out on the meta device (no data)."""
+        drawn = torch.empty(self.shape, dtype=torch.bfloat16, device="meta")
+        return sum(t.numel() * t.element_size() for t in self.tensors(quantization, drawn).values())
 
     def tensors(self, quantization: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of `weight` (this parameter's drawn value)."""
