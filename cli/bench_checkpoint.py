@@ -16,16 +16,24 @@ def bench_make_checkpoint(
                                      "fp8-dynamic (compressed-tensors, llm-compressor's -FP8-dynamic layout)."),
     shard_mib: int = typer.Option(4096, "--shard-mib", min=1, help="Largest shard in MiB (a larger single tensor gets one alone)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    overflow: list[Path] = typer.Option([], "--overflow", metavar="DIR", help="A directory on another filesystem (e.g. /dev/shm) for the "
+                                        "shards DIRECTORY's has no room for, linked from the model folder; repeatable."),
 ) -> None:
     """Write a checkpoint of the shape with random weights without building the model: host
     memory holds one shard, so Qwen2.5-VL-72B in FP8 (~77 GB) is written on a GPU machine
-    and then loaded by `bench engine --model DIR/<shape> --no-reference`."""
+    and then loaded by `bench engine --model DIR/<shape> --no-reference`. A checkpoint
+    larger than the disk spills into `--overflow` directories; one that cannot fit even so
+    is refused before anything is written."""
     from vlmbatch.bench.checkpoint import QUANTIZATIONS, write_random_checkpoint
 
     if quantization not in QUANTIZATIONS:
         raise typer.BadParameter(f"choose one of {', '.join(QUANTIZATIONS)}", param_hint="--quantization")
-    folder = write_random_checkpoint(shape_or_exit(model_shape), directory, quantization, shard_bytes=shard_mib << 20,
-                                     seed=seed, echo=typer.echo)
+    try:
+        folder = write_random_checkpoint(shape_or_exit(model_shape), directory, quantization, shard_bytes=shard_mib << 20,
+                                         seed=seed, overflow=overflow, echo=typer.echo)
+    except OSError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     typer.echo(f"wrote {folder}")
 
 

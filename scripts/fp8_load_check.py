@@ -7,7 +7,8 @@ The lent GPU machines reach no hub, so `--shape` writes a checkpoint of a benchm
 (`vlmbatch/bench/shapes.py`) in the published FP8 layout (`--format`: compressed-tensors
 per channel, or Qwen's 128x128 blocks) with random weights, shard by shard, as `vlmbatch
 bench make-checkpoint` does (`vlmbatch/bench/checkpoint.py`). The 80 layers of 72B take
-~77 GB of disk (nvidia-h200-x2 has 128 GB; one H200 machine 64 GB: use `--layers 40` there).
+~77 GB of disk (nvidia-h200-x2 has 128 GB; one H200 machine 64 GB: use `--layers 40` there,
+or write all 80 with `vlmbatch bench make-checkpoint ... --overflow /dev/shm` and pass its folder).
 
 Reported: load seconds; the decoder's GiB; the most GPU memory allocated while loading (the
 KV cache is sized after it); the process's peak resident memory (VmHWM, reset before the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -459,3 +460,50 @@ def test_a_checkpoint_written_shard_by_shard_streams_into_the_engine(tmp_path, s
     assert all(load_file(str(path / file))[key].dtype == torch.float8_e4m3fn for key, file in weight_map.items() if ".experts." in key
                and key.endswith(".weight"))  # fmt: skip
     _assert_greedy_equal(path, dequantized_reference(plain, path), family, count=4)
+
+
+def _greedy_tokens(model_dir: Path, family: str) -> dict[str, list[int]]:
+    adapter = load_adapter(str(model_dir))
+    _, outputs = run_greedy(PagedEngine(adapter, EngineConfig(**ENGINE)), adapter, build_requests(adapter, family, 3, seed=5))
+    return {request_id: output.outputs[0].token_ids for request_id, output in outputs.items()}
+
+
+def test_shards_the_disk_has_no_room_for_spill_to_another_filesystem_and_still_load(tmp_path):
+    """How the 77 GB 72B FP8 checkpoint is written on a machine with a 64 GiB disk: the
+    shards the folder's filesystem has no room for go to an overflow directory on another
+    filesystem (tmpfs here, as on the GPU machine), linked from the folder by name. The
+    linked folder holds the same tensors as one written whole, and our engine streams it to
+    the same greedy tokens. A checkpoint the directories cannot hold is refused before any
+    shard is written, saying what each could take."""
+    from vlmbatch.bench.checkpoint import KEEP_FREE, write_random_checkpoint
+    from vlmbatch.bench.shapes import resolve_shape
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    torch.set_num_threads(1)
+    shape, cpu = resolve_shape("tiny"), torch.device("cpu")
+    options = dict(shard_bytes=1 << 16, seed=3, device=cpu, echo=lambda _: None)
+    whole = write_random_checkpoint(shape, tmp_path / "whole", "fp8-block", **options)
+    overflow = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        disk = tmp_path / "disk"
+        two_shards = KEEP_FREE + 2 * (1 << 16)
+        spilled = write_random_checkpoint(shape, disk, "fp8-block", overflow=[overflow],
+                                          room=lambda home: two_shards if home.is_relative_to(disk) else 1 << 40, **options)
+        shards = sorted(p.name for p in whole.glob("*.safetensors"))
+        assert len(shards) > 2 and sorted(p.name for p in spilled.glob("*.safetensors")) == shards
+        links = [name for name in shards if (spilled / name).is_symlink()]
+        assert links and not (spilled / shards[0]).is_symlink()
+        assert all((spilled / name).resolve().parent == overflow / shape.name for name in links)
+        for name in shards:
+            theirs, ours = load_file(str(whole / name)), load_file(str(spilled / name))
+            assert theirs.keys() == ours.keys()
+            assert all(torch.equal(theirs[k].view(torch.uint8), ours[k].view(torch.uint8)) for k in theirs)
+        assert _greedy_tokens(spilled, "qwen2_5_vl") == _greedy_tokens(whole, "qwen2_5_vl")
+
+        with pytest.raises(OSError, match=r"needs .* GiB in \d+ shards.*--overflow"):
+            write_random_checkpoint(shape, tmp_path / "full", "fp8-block", room=lambda home: KEEP_FREE, **options)
+        assert not list((tmp_path / "full").rglob("*.safetensors"))
+    finally:
+        shutil.rmtree(overflow)

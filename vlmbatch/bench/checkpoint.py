@@ -9,12 +9,19 @@ shard. Tensors keep the names `transformers` holds them by. FP8 layouts are thos
 `fp8-block` as Qwen's `-FP8` releases, `fp8-dynamic` as llm-compressor's `-FP8-dynamic`,
 mixture-of-experts weights one expert per tensor. A 72B FP8 checkpoint written so is what
 `bench engine --model DIR --no-reference` loads through the product's streaming loader.
+
+Where the model folder's filesystem cannot hold every shard (77 GB on a machine with a
+64 GiB disk), the shards that do not fit go to overflow directories on other filesystems
+(`/dev/shm`) and are linked from the folder by name: the layout of the Hugging Face cache,
+whose snapshot folders link into its blob store, so loaders follow such links anyway.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +33,7 @@ from vlmbatch.testing.fp8_checkpoints import FORMATS, FUSED_EXPERTS, quantizatio
 QUANTIZATIONS = ("none", *FORMATS)
 SHARD_BYTES = 4 << 30
 INIT_STD = 0.02  # transformers' initializer_range of these models
+KEEP_FREE = 1 << 30  # left free on each filesystem a shard goes to (the folder's small files, the system's own)
 
 
 @dataclass(frozen=True)
@@ -81,18 +89,46 @@ def model_parameters(folder: Path) -> list[Parameter]:
     return parameters
 
 
-def plan_shards(parameters: list[Parameter], quantization: str, shard_bytes: int = SHARD_BYTES) -> list[list[Parameter]]:
+@dataclass
+class Shard:
+    parameters: list[Parameter]
+    nbytes: int  # what its file holds, less the safetensors header
+
+
+def plan_shards(parameters: list[Parameter], quantization: str, shard_bytes: int = SHARD_BYTES) -> list[Shard]:
     """Parameters in order, cut into shards of at most `shard_bytes` (a larger tensor alone)."""
-    shards: list[list[Parameter]] = [[]]
-    size = 0
+    shards = [Shard([], 0)]
     for parameter in parameters:
         nbytes = parameter.bytes(quantization)
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(parameter)
-        size += nbytes
+        if shards[-1].parameters and shards[-1].nbytes + nbytes > shard_bytes:
+            shards.append(Shard([], 0))
+        shards[-1].parameters.append(parameter)
+        shards[-1].nbytes += nbytes
     return shards
+
+
+def free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free
+
+
+def place_shards(sizes: Sequence[int], homes: Sequence[Path], room: Callable[[Path], int] = free_bytes,
+                 keep_free: int = KEEP_FREE) -> list[Path]:  # fmt: skip
+    """The directory each shard is written to: the first of `homes` (the model folder, then
+    the overflow directories) with room for it, `keep_free` kept on each filesystem (homes
+    on one filesystem share its room). Refused before anything is written when they cannot
+    hold every shard, saying what each could take."""
+    left = {os.stat(home).st_dev: room(home) - keep_free for home in homes}
+    placed = []
+    for size in sizes:
+        home = next((h for h in homes if left[os.stat(h).st_dev] >= size), None)
+        if home is None:
+            offered = ", ".join(f"{h} {max(room(h) - keep_free, 0) / 2**30:.1f}" for h in homes)
+            raise OSError(f"the checkpoint needs {sum(sizes) / 2**30:.1f} GiB in {len(sizes)} shards of up to "
+                          f"{max(sizes) / 2**30:.1f} GiB; free GiB ({keep_free / 2**30:.0f} GiB kept on each): {offered}. "
+                          "Add an overflow directory on another filesystem (--overflow).")
+        left[os.stat(home).st_dev] -= size
+        placed.append(home)
+    return placed
 
 
 def draw(parameter: Parameter, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -106,10 +142,12 @@ def draw(parameter: Parameter, generator: torch.Generator, device: torch.device)
 
 
 def write_random_checkpoint(shape: ModelShape, root: Path, quantization: str = "none", *, shard_bytes: int = SHARD_BYTES,
-                            seed: int = 0, device: torch.device | None = None,
-                            echo: Callable[[str], None] = print) -> Path:  # fmt: skip
+                            seed: int = 0, device: torch.device | None = None, overflow: Sequence[Path] = (),
+                            room: Callable[[Path], int] = free_bytes, echo: Callable[[str], None] = print) -> Path:  # fmt: skip
     """`root/<shape>`: the model folder (`write_model_folder`) with random weights in
-    safetensors shards and their index, in `quantization`'s layout (`QUANTIZATIONS`)."""
+    safetensors shards and their index, in `quantization`'s layout (`QUANTIZATIONS`).
+    Shards the folder's filesystem has no room for (`room`) go to `<shape>` in the first
+    `overflow` directory that has, each linked from the folder under its name (`place_shards`)."""
     from safetensors.torch import save_file
 
     if quantization not in QUANTIZATIONS:
@@ -117,17 +155,27 @@ def write_random_checkpoint(shape: ModelShape, root: Path, quantization: str = "
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = write_model_folder(shape, root)
     shards = plan_shards(model_parameters(folder), quantization, shard_bytes)
+    spills = [directory / folder.name for directory in overflow]
+    for directory in spills:
+        directory.mkdir(parents=True, exist_ok=True)
+    homes = place_shards([shard.nbytes for shard in shards], [folder, *spills], room)
     generator = torch.Generator(device).manual_seed(seed)
     weight_map, total = {}, 0
-    for number, shard in enumerate(shards, 1):
+    for number, (shard, home) in enumerate(zip(shards, homes), 1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: tensor.contiguous().cpu() for parameter in shard
+        tensors = {name: tensor.contiguous().cpu() for parameter in shard.parameters
                    for name, tensor in parameter.tensors(quantization, draw(parameter, generator, device)).items()}
-        save_file(tensors, str(folder / filename), metadata={"format": "pt"})
+        save_file(tensors, str(home / filename), metadata={"format": "pt"})
+        if home != folder:
+            (folder / filename).unlink(missing_ok=True)
+            (folder / filename).symlink_to((home / filename).resolve())
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, filename))
-        echo(f"wrote {filename}: {len(tensors)} tensors, {total / 2**30:.1f} GiB so far")
+        echo(f"wrote {filename}{'' if home == folder else f' in {home}'}: {len(tensors)} tensors, {total / 2**30:.1f} GiB so far")
         del tensors
+    for directory in spills:
+        if not any(directory.iterdir()):
+            directory.rmdir()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if quantization != "none":
