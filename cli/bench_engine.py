@@ -47,6 +47,8 @@ def bench_engine(
     admission_batch: int = typer.Option(64, "--admission-batch", min=1, help="Free slots before waiting requests join a running batch (1 = at once)."),
     gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization", help="Share of GPU memory for our weights, activations and KV cache."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    stage_media: str = typer.Option("off", "--stage-media", help="off, on (the engine option: the next admission's pixels "
+                                    "uploaded while a step runs), or both: each of our passes followed by one with it (\"w1+staged\")."),
     async_decode: bool = typer.Option(True, "--async-decode/--sync-decode", help="Launch each decode step before reading the previous one's tokens (the engine's default), or await every step."),
     structured: Optional[str] = typer.Option(None, "--structured", help="Time W1 again under a built-in JSON schema (extraction6: six "
                                              "fields, the last an open string so rows run to 128 tokens), on our engine and vLLM, "
@@ -89,6 +91,8 @@ def bench_engine(
         raise typer.BadParameter(str(exc), param_hint="--structured / --json-schema") from None
     if quantization not in ("none", "fp8", "fp8-block"):
         raise typer.BadParameter("choose none, fp8 or fp8-block", param_hint="--quantization")
+    if stage_media not in ("off", "on", "both"):
+        raise typer.BadParameter("choose off, on or both", param_hint="--stage-media")
     if model is not None and not Path(model).is_dir():
         raise typer.BadParameter(f"no such model folder: {model}", param_hint="--model")
     if not reference and model is None:
@@ -110,7 +114,7 @@ def bench_engine(
         gpu_memory_utilization=gpu_memory_utilization, device=device, async_decode=async_decode, quantization=quantization,
         quantize_vision=quantize_vision, load_format=load_format, reference=reference, kv_cache_dtype=kv_cache_dtype,
         structured_schema=schema, mask_batches=int_list(mask_batches, "--mask-batches"), grammar_fill_threads=grammar_fill_threads,
-        repeats=repeats,
+        repeats=repeats, stage_media=stage_media,
     )
     json_out.parent.mkdir(parents=True, exist_ok=True)
     report = run_bench(options, echo=typer.echo, save=lambda partial: json_out.write_text(json.dumps(partial, indent=2)),

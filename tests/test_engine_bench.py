@@ -353,3 +353,20 @@ def test_triton_compiles_counts_each_new_specialization_of_a_kernel_once():
         double[(1,)](x, 8, BLOCK=16)
     assert first == {"double": 1} and again == {} and wider == {"double": 1}
     assert torch.equal(x, torch.full((8,), 16.0, device="cuda"))
+
+
+def test_stage_media_both_alternates_passes_with_staging_on_fresh_requests(tmp_path):
+    """`--stage-media both` (how staging is timed against the plain uploads in one call):
+    each of our passes is followed by one with staging on, on other requests, reported as
+    its own workload beside the plain one."""
+    result, report = _bench_engine(tmp_path, "--repeats", "2", "--stage-media", "both", "--peer", "")
+    assert result.exit_code == 0 and report["ok"], result.output
+    assert [r["workload"] for r in report["runs"]] == ["w1", "w1+staged", "w1#2", "w1+staged#2"]
+    assert set(report["summary"]) == {"w1", "w1+staged"} and len(report["summary"]["w1+staged"]["passes"]["paged"]) == 2
+    staged = {r["workload"]: r["extra"]["num_staged_media_used"] for r in report["runs"]}
+    assert staged["w1"] == staged["w1#2"] == 0 and staged["w1+staged"] > 0 and staged["w1+staged#2"] > 0
+
+    from vlmbatch.cli.commands import app
+
+    refused = CliRunner().invoke(app, ["bench", "engine", "--device", "cpu", "--stage-media", "sometimes"])
+    assert refused.exit_code == 2 and "choose off, on or both" in refused.output

@@ -178,6 +178,8 @@ class EngineConfig(Options):
     min_admission_batch: int = option(64, "VLMBATCH_MIN_ADMISSION_BATCH",
                                       help="free slots before waiting requests join a running batch (1 = at once)")
     async_decode: bool = option(True, "VLMBATCH_ASYNC_DECODE", help="launch decode step n+1 before reading step n's tokens")
+    stage_media: bool = option(False, "VLMBATCH_STAGE_MEDIA",
+                               help="upload the pixels of the prompts waiting next while the GPU runs a step (a copy stream)")
     decode_linear: str = option("auto", "VLMBATCH_DECODE_LINEAR", parse=_lower, choices=DECODE_LINEAR,
                                 help="decode-step linear layers: auto (measured choice), skinny (our kernel) or cublas")
     pdl: bool = option(True, "VLMBATCH_PDL", help="programmatic dependent launch in small decode graphs (Hopper+)")

@@ -26,6 +26,10 @@ pass hits another's caches); the summary takes each engine's best pass and lists
 all. One engine's W1 on the same H200 has moved by 10-15% between runs of the same tree
 (BENCHMARKS.md sessions 12-13), which a single pass reports as a change of ratio.
 `generate()` runs the first pass only (its rate is a fraction of ours).
+
+`stage_media` "on" builds our engine with `EngineConfig.stage_media`; "both" follows each
+of our passes with one on fresh requests with staging on ("w1+staged", "w1+staged#2", ...),
+so the two alternate on one engine and one GPU (`engine/media_staging.py`).
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class BenchOptions:
     reference: bool = True
     kv_cache_dtype: str = "auto"  # fp8: our engine's KV cache in e4m3
     repeats: int = 1  # timed passes of each workload on our engine and vLLM, each on fresh requests
+    stage_media: str = "off"  # on: EngineConfig.stage_media; both: each pass of ours followed by one with it ("w1+staged")
 
     def peer_requests(self, workload: str) -> int:
         return self.peer_requests_w1 if workload == "w1" else self.peer_requests_w2
@@ -222,7 +227,7 @@ def _engine(adapter, hf_model, options: BenchOptions, dtype: torch.dtype, device
         gpu_memory_utilization=options.gpu_memory_utilization, min_admission_batch=options.min_admission_batch,
         attention_backend=options.attention_backend, async_decode=options.async_decode, quantization=options.quantization,
         quantize_vision=options.quantize_vision, load_format=load_format or options.load_format, kv_cache_dtype=options.kv_cache_dtype,
-        grammar_fill_threads=options.grammar_fill_threads,
+        grammar_fill_threads=options.grammar_fill_threads, stage_media=options.stage_media == "on",
     )
 
 
@@ -378,10 +383,19 @@ def run_bench(options: BenchOptions, echo: Callable[[str], None] = print,
         if warmup is not None:
             report["warmup"] = {"requests": warmup.requests, "seconds": warmup.seconds, "triton_compiles": warmup.extra["triton_compiles"]}
             echo(f"warm-up: {warmup.requests} requests in {warmup.seconds:.1f} s, triton compiles {warmup.extra['triton_compiles']}")
-        for name, workload in workloads.items():
+        for index, (name, workload) in enumerate(workloads.items()):
             result = phases.run(f"paged-{name}", _timed_run, engine, workload.head(options.requests), dtype)
             if result is not None:
                 record(result)
+            if options.stage_media == "both":
+                base, hash_sign, number = name.partition("#")
+                staged = replace(build_workload(base, adapter, options.requests, seed=5000 + index),
+                                 name=f"{base}+staged{hash_sign}{number}")
+                engine.stage_media = True
+                result = phases.run(f"paged-{staged.name}", _timed_run, engine, staged, dtype)
+                engine.stage_media = False
+                if result is not None:
+                    record(result)
         if options.structured_schema is not None and "w1" in workloads:
             phases.run("paged-w1-schema", _structured_phases, engine, workloads["w1"].head(options.requests), dtype, options, report,
                        record, echo)

@@ -83,6 +83,8 @@ class EngineStats:
     num_graph_replays: int = 0
     num_encoded_media: int = 0
     num_encoder_cache_hits: int = 0
+    num_staged_media: int = 0  # media items whose pixels were uploaded while an earlier step ran (`stage_media`)
+    num_staged_media_used: int = 0  # of their uploaded tensors, those an encode took
     num_generated_tokens: int = 0
     num_async_decode_steps: int = 0  # decode steps launched on the previous step's tokens still on the device
     num_mixed_decode_rows: int = 0  # decoding rows that rode along in prefill steps (as a decode batch there)
@@ -163,6 +165,7 @@ class PagedEngine(Engine):
         self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
         # Launch decode step n + 1 before reading step n's tokens (module docstring).
         self.async_decode = config.async_decode
+        self.stage_media = config.stage_media  # upload the next prompts' pixels during each step (`media_staging.py`)
         self.decodes_images_on_gpu = device.type == "cuda"
         self._in_flight: _InFlight | None = None
         kv_gib = self.runner.num_kv_blocks * self.runner.block_bytes / 2**30
@@ -273,6 +276,7 @@ class PagedEngine(Engine):
         if self._encode_media(batch) and self.time_phases and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # only after the tower ran: a decode step in flight must not be waited for here
         encoded = time.perf_counter()
+        self._stage_upcoming()
         constrained = any(seq.grammar is not None for seq in batch.seqs)
         if batch.is_prefill or not self.async_decode:
             pending = self.runner.run(batch, self._mask if constrained else None)
@@ -384,6 +388,14 @@ class PagedEngine(Engine):
             mm.hold(indices, next(rows) if indices else None, start)
         return bool(items)
 
+    def _stage_upcoming(self) -> None:
+        """With `stage_media`, once a step's media are encoded: upload (in the background) the
+        media the prompts the next admission would take will encode, while the GPU runs it
+        (none once the queue is empty, which drops what is still staged)."""
+        if self.stage_media:
+            self.model.stage([seq.mm.items[i] for seq in self.scheduler.upcoming() if seq.mm is not None
+                              for i in seq.mm.missing(seq.num_computed_tokens)])
+
     def _append(self, seq: Sequence, token: int) -> None:
         """The sampled token in place of the placeholder (asynchronous decoding) or after
         the last token, then the checks that may end the sequence."""
@@ -449,3 +461,4 @@ class PagedEngine(Engine):
         s.num_mixed_decode_rows = self.runner.num_mixed_decode_rows
         s.num_encoded_media = self.model.num_encoded_items
         s.num_encoder_cache_hits = self.model.num_encoder_cache_hits
+        s.num_staged_media, s.num_staged_media_used = self.model.media.num_staged, self.model.media.num_taken

@@ -131,6 +131,18 @@ class Scheduler:
             budget = max(0, budget - n)  # a whole span may overrun it
         return self._one_token_rows_first(batch) if batch.seqs else None
 
+    def upcoming(self) -> list[Sequence]:
+        """The waiting sequences the next admission would most likely take, oldest first: as
+        many as the free slots and the step's token budget allow (blocks, prefix hits and
+        chunking not counted; the first always). A guess, for staging their media ahead."""
+        seqs, budget = [], self.max_num_batched_tokens
+        for seq in self.waiting:
+            if len(seqs) >= self.max_num_seqs - len(self.running) or (seqs and budget <= 0):
+                break
+            seqs.append(seq)
+            budget -= seq.num_uncomputed_tokens
+        return seqs
+
     @staticmethod
     def _one_token_rows_first(batch: ScheduledBatch) -> ScheduledBatch:
         """A prefill step lists its one-token rows (decoding sequences) first, in their

@@ -32,6 +32,7 @@ from vlmbatch.engine.fp8_loading import quantize_vision_modules
 from vlmbatch.engine.gpu_images import EncodedImageDecoder
 from vlmbatch.engine.kernel_choice import KernelSet
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
+from vlmbatch.engine.media_staging import MediaStager
 from vlmbatch.engine.weight_loading import CheckpointTensors, ModuleTensors, WeightLoader
 from vlmbatch.families.prompt import MediaItem
 from vlmbatch.quantization import Fp8Scheme
@@ -45,12 +46,6 @@ def pooled(features: Any) -> torch.Tensor:
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
     return features.reshape(-1, features.shape[-1])
-
-
-def on_device(items: list[MediaItem], key: str, device: torch.device) -> torch.Tensor:
-    """The items' `key` tensors concatenated on `device`: each is copied as it is (no
-    host-side concatenation of a batch's pixels, which stalls the GPU for a large copy)."""
-    return torch.cat([item.tensors[key].to(device, non_blocking=True) for item in items])
 
 
 class VisionLanguageModel(ABC):
@@ -74,6 +69,7 @@ class VisionLanguageModel(ABC):
         self.encoder_cache_bytes = encoder_cache_bytes
         self.num_encoded_items = 0  # stats: media items that went through the tower
         self.num_encoder_cache_hits = 0
+        self.media = MediaStager(decoder.embed_tokens.weight.device)  # every pixel upload; staged ahead when the engine asks
         if kernels.rms_norm is not None:
             self._fuse_tower_norms(kernels.rms_norm)
 
@@ -152,6 +148,18 @@ class VisionLanguageModel(ABC):
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
         """Embeddings [sum of num_tokens, hidden * (1 + deepstack_levels)] of decoded items of
         one kind, in order: the input embeddings, then each DeepStack level, side by side."""
+
+    def on_device(self, items: list[MediaItem], key: str) -> torch.Tensor:
+        """The items' `key` tensors concatenated on the device, each copied as it is (no
+        host-side concatenation of a batch's pixels, which stalls the GPU for a large copy)
+        unless it was staged ahead (`media_staging.py`)."""
+        return self.media.take(items, key)
+
+    def stage(self, items: list[MediaItem]) -> None:
+        """Upload the pixels of `items`, those the next step will likely encode, while the
+        GPU runs this one; items whose outputs the encoder cache holds are not encoded."""
+        reuse = self.encoder_cache_size > 0
+        self.media.stage(item for item in items if not (reuse and item.content_hash in self.encoder_cache))
 
     def prompt_positions(self, token_ids: list[int], media: list[MediaItem]) -> tuple[torch.Tensor | None, int]:
         """M-RoPE positions [3, len] of a prompt and the rope delta; (None, 0) for 1-D RoPE."""

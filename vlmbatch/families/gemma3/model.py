@@ -12,7 +12,7 @@ from torch import nn
 
 from vlmbatch.engine.decoder import DecoderSpec, LayerAttention
 from vlmbatch.engine.layers.rotary import RotaryEmbedding
-from vlmbatch.engine.vision_language import VisionLanguageModel, on_device, pooled
+from vlmbatch.engine.vision_language import VisionLanguageModel, pooled
 from vlmbatch.families.prompt import IMAGE, MediaItem
 from vlmbatch.families.siglip_tower import SiglipTower
 
@@ -28,7 +28,7 @@ class Gemma3Model(SiglipTower, VisionLanguageModel):
 
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
         """SigLIP, then the projector: average-pooled to `mm_tokens_per_image`, normed, projected."""
-        pixels = on_device(items, "pixel_values", self.device).to(self.hf.dtype)
+        pixels = self.on_device(items, "pixel_values").to(self.hf.dtype)
         return pooled(self.hf.model.multi_modal_projector(self.vision_hidden(pixels)))
 
     @classmethod

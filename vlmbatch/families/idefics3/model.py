@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmbatch.engine.vision_language import VisionLanguageModel, on_device
+from vlmbatch.engine.vision_language import VisionLanguageModel
 from vlmbatch.families.prompt import IMAGE, MediaItem
 from vlmbatch.families.siglip_tower import SiglipTower
 
@@ -23,7 +23,7 @@ class Idefics3Model(SiglipTower, VisionLanguageModel):
         """Every tile is a full square (the processor pads nothing inside one), so the tower
         runs without a patch mask, as `transformers` runs it on unpadded tiles (every patch at
         its bucketed position id, all attending to each other): what ours does."""
-        pixels = on_device(items, "pixel_values", self.device).to(self.hf.dtype)
+        pixels = self.on_device(items, "pixel_values").to(self.hf.dtype)
         hidden = self.vision_hidden(pixels)
         features = self.hf.model.connector(hidden)
         return features.reshape(-1, features.shape[-1])

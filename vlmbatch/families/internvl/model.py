@@ -12,7 +12,6 @@ import torch
 
 from vlmbatch.engine.decoder import DecoderSpec
 from vlmbatch.engine.layers.internvit import InternVisionTower
-from vlmbatch.engine.vision_language import on_device
 from vlmbatch.families.llava.model import LlavaModel
 from vlmbatch.families.prompt import MediaItem
 from vlmbatch.families.siglip_tower import SiglipTower
@@ -29,7 +28,7 @@ class InternVLModel(SiglipTower, LlavaModel):
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
         """The tiles through the tower, the CLS token dropped (select strategy "default"), then
         `transformers`' pixel shuffle and projector, as `get_image_features` does after its tower."""
-        features = self.vision_hidden(on_device(items, "pixel_values", self.device).to(self.hf.dtype))
+        features = self.vision_hidden(self.on_device(items, "pixel_values").to(self.hf.dtype))
         if self.config.vision_feature_select_strategy == "default":
             features = features[:, 1:, :]
         side = int(features.shape[1] ** 0.5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmbatch.engine.vision_language import VisionLanguageModel, on_device, pooled
+from vlmbatch.engine.vision_language import VisionLanguageModel, pooled
 from vlmbatch.families.prompt import IMAGE, MediaItem
 
 
@@ -14,7 +14,7 @@ class LlavaModel(VisionLanguageModel):
         return {IMAGE: self.config.image_token_id}
 
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
-        pixels = on_device(items, "pixel_values", self.device).to(self.hf.dtype)
+        pixels = self.on_device(items, "pixel_values").to(self.hf.dtype)
         return pooled(self.hf.model.get_image_features(
             pixel_values=pixels,
             vision_feature_layer=self.config.vision_feature_layer,

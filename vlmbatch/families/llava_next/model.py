@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from vlmbatch.engine.decoder import DecoderSpec
-from vlmbatch.engine.vision_language import VisionLanguageModel, on_device
+from vlmbatch.engine.vision_language import VisionLanguageModel
 from vlmbatch.families.prompt import IMAGE, MediaItem
 
 
@@ -51,7 +51,7 @@ class LlavaNextModel(VisionLanguageModel):
         return packed
 
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
-        pixels = on_device(items, "pixel_values", self.device).to(self.hf.dtype)
+        pixels = self.on_device(items, "pixel_values").to(self.hf.dtype)
         tiles = self.tile_features(pixels).split([len(item.tensors["pixel_values"]) for item in items])
         sizes = torch.cat([item.tensors["image_sizes"] for item in items])  # host tensor: no device sync in packing
         return torch.cat(self.pack(list(tiles), sizes))

@@ -35,7 +35,7 @@ class LlavaOnevisionModel(SiglipTower, LlavaNextModel):
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
         if kind == IMAGE:
             return super().encode_batch(kind, items)
-        videos = [item.tensors["pixel_values_videos"].to(self.device, non_blocking=True).flatten(0, 1) for item in items]
+        videos = [self.on_device([item], "pixel_values_videos").flatten(0, 1) for item in items]
         frames = self.hf.model.apply_pooling(self.tile_features(torch.cat(videos).to(self.hf.dtype)))
         newline = self.hf.model.image_newline[None].to(frames.dtype)
         return torch.cat([torch.cat([video.flatten(0, 1), newline]) for video in frames.split([len(v) for v in videos])])

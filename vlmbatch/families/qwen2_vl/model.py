@@ -17,7 +17,7 @@ import torch
 
 from vlmbatch.engine.decoder import DecoderSpec
 from vlmbatch.engine.layers.segment_attention import use_packed_attention
-from vlmbatch.engine.vision_language import VisionLanguageModel, on_device, pooled
+from vlmbatch.engine.vision_language import VisionLanguageModel, pooled
 from vlmbatch.families.prompt import IMAGE, VIDEO, MediaItem, collate
 
 _GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -53,7 +53,7 @@ class QwenVL(VisionLanguageModel):
 
     def encode_batch(self, kind: str, items: list[MediaItem]) -> torch.Tensor:
         pixels_key, grid_key = _PIXELS[kind]
-        pixels = on_device(items, pixels_key, self.device)
+        pixels = self.on_device(items, pixels_key)
         grids = torch.cat([i.tensors[grid_key] for i in items])
         return self.tower_features(kind, pixels, grids)
 
