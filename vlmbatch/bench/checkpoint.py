@@ -165,9 +165,9 @@ def write_random_checkpoint(shape: ModelShape, root: Path, quantization: str = "
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         tensors = {name: tensor.contiguous().cpu() for parameter in shard.parameters
                    for name, tensor in parameter.tensors(quantization, draw(parameter, generator, device)).items()}
+        (folder / filename).unlink(missing_ok=True)  # an earlier run's file or link: never written through
         save_file(tensors, str(home / filename), metadata={"format": "pt"})
         if home != folder:
-            (folder / filename).unlink(missing_ok=True)
             (folder / filename).symlink_to((home / filename).resolve())
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, filename))
