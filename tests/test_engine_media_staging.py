@@ -10,6 +10,8 @@ host memory left alone; and the scheduler's guess of the next admission.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from engine_harness import single_thread, build_requests, hf_greedy, run_greedy  # noqa: F401  (single_thread: autouse)
@@ -22,6 +24,7 @@ from vlmbatch.engine.paged import PagedEngine
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.engine.scheduler import Scheduler
 from vlmbatch.engine.sequence import Sequence
+from vlmbatch.engine.vision_language import VisionLanguageModel
 from vlmbatch.families.prompt import MediaItem
 from vlmbatch.families.registry import load_adapter
 
@@ -49,7 +52,7 @@ def test_media_are_not_staged_unless_asked(tiny_qwen):
 
 
 def item(key: str, floats: int, device: str = "cpu") -> MediaItem:
-    pixels = torch.arange(floats, dtype=torch.float32, device=device) + ord(key)
+    pixels = torch.arange(floats, dtype=torch.float32, device=device) + sum(map(ord, key))
     return MediaItem("image", {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 2]])}, 1, key)
 
 
@@ -71,6 +74,30 @@ def test_items_not_in_host_memory_are_left_to_the_encode():
     stager = MediaStager(torch.device("cpu"), budget_bytes=1 << 20)
     stager.stage([on_device, plain])
     assert [entry[0] for entry in stager.staged.values()] == [plain]
+
+
+class StagingOnly(VisionLanguageModel):
+    """`VisionLanguageModel.stage`'s choice of items alone: no tower, no decoder."""
+
+    placeholder_token_ids = {}
+
+    def __init__(self, cache_size: int):
+        self.encoder_cache, self.encoder_cache_size = OrderedDict(cached=torch.zeros(1)), cache_size
+        self.media = MediaStager(torch.device("cpu"))
+
+    def encode_batch(self, kind, items):
+        raise NotImplementedError
+
+
+def test_only_items_the_tower_will_run_are_staged():
+    """With reuse on, encode runs one item per content and none the encoder cache holds."""
+    first, same, cached, other = item("a", 4), item("a", 4), item("cached", 4), item("b", 4)
+    model = StagingOnly(cache_size=8)
+    model.stage([first, same, cached, other])
+    assert [entry[0] for entry in model.media.staged.values()] == [first, other]
+    unshared = StagingOnly(cache_size=0)  # nothing reused: every item goes through the tower
+    unshared.stage([first, same, cached])
+    assert [entry[0] for entry in unshared.media.staged.values()] == [first, same, cached]
 
 
 def test_the_next_admission_is_guessed_from_free_slots_and_the_token_budget():

@@ -157,9 +157,15 @@ class VisionLanguageModel(ABC):
 
     def stage(self, items: list[MediaItem]) -> None:
         """Upload the pixels of `items`, those the next step will likely encode, while the
-        GPU runs this one; items whose outputs the encoder cache holds are not encoded."""
-        reuse = self.encoder_cache_size > 0
-        self.media.stage(item for item in items if not (reuse and item.content_hash in self.encoder_cache))
+        GPU runs this one. With reuse on, `encode` runs the first item of each content and
+        none the encoder cache holds: only those are staged."""
+        if self.encoder_cache_size > 0:
+            firsts = {}
+            for item in items:
+                if item.content_hash not in self.encoder_cache:
+                    firsts.setdefault(item.content_hash, item)
+            items = list(firsts.values())
+        self.media.stage(items)
 
     def prompt_positions(self, token_ids: list[int], media: list[MediaItem]) -> tuple[torch.Tensor | None, int]:
         """M-RoPE positions [3, len] of a prompt and the rope delta; (None, 0) for 1-D RoPE."""
