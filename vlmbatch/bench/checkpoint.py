@@ -117,16 +117,17 @@ def place_shards(sizes: Sequence[int], homes: Sequence[Path], room: Callable[[Pa
     the overflow directories) with room for it, `keep_free` kept on each filesystem (homes
     on one filesystem share its room). Refused before anything is written when they cannot
     hold every shard, saying what each could take."""
-    left = {os.stat(home).st_dev: room(home) - keep_free for home in homes}
+    filesystem = {home: os.stat(home).st_dev for home in homes}
+    left = {filesystem[home]: room(home) - keep_free for home in homes}
     placed = []
     for size in sizes:
-        home = next((h for h in homes if left[os.stat(h).st_dev] >= size), None)
+        home = next((h for h in homes if left[filesystem[h]] >= size), None)
         if home is None:
             offered = ", ".join(f"{h} {max(room(h) - keep_free, 0) / 2**30:.1f}" for h in homes)
             raise OSError(f"the checkpoint needs {sum(sizes) / 2**30:.1f} GiB in {len(sizes)} shards of up to "
                           f"{max(sizes) / 2**30:.1f} GiB; free GiB ({keep_free / 2**30:.0f} GiB kept on each): {offered}. "
                           "Add an overflow directory on another filesystem (--overflow).")
-        left[os.stat(home).st_dev] -= size
+        left[filesystem[home]] -= size
         placed.append(home)
     return placed
 
