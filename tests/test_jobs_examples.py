@@ -14,7 +14,7 @@ import pytest
 
 from test_submit_e2e import job_dir_from, vlmbatch
 from vlmbatch.job.jobfile import load_job_file
-from vlmbatch.testing.invoices import INVOICE_SCHEMA, make_invoice
+from vlmbatch.testing.invoices import INVOICE_SCHEMA, make_invoice, write_invoice_dataset
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 EXAMPLES = {"captioning": "job.yaml", "invoice-extraction": "job.yaml", "video-qa": "job.toml"}
@@ -39,7 +39,8 @@ def test_structured_example_passes_the_submit_checks(name: str, tiny_qwen: Path,
     assert not (tmp_path / "out").exists()
 
 
-def test_invoice_example_data_is_the_generators() -> None:
+def test_invoice_example_data_is_the_generators(tmp_path: Path) -> None:
+    """The job file tells users `write_invoice_dataset(DIR, N)` makes more of these rows."""
     folder = JOBS / "invoice-extraction"
     assert json.loads((folder / "schema.json").read_text()) == INVOICE_SCHEMA
     rows = [json.loads(line) for line in (folder / "invoices.jsonl").read_text().splitlines()]
@@ -48,6 +49,9 @@ def test_invoice_example_data_is_the_generators() -> None:
     for row in rows:
         seed = int(row["id"].split("-")[1])
         assert np.array_equal(np.asarray(Image.open(folder / row["image"])), np.asarray(make_invoice(seed)))
+    written = write_invoice_dataset(tmp_path, len(rows) + 2)
+    assert [json.loads(line) for line in written.read_text().splitlines()][: len(rows)] == rows
+    assert (tmp_path / f"images/invoice-{len(rows) + 1}.png").exists()
 
 
 def test_captioning_example_runs_on_the_tiny_model(tiny_qwen: Path, tmp_path: Path) -> None:

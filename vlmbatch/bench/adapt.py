@@ -59,11 +59,6 @@ def engine_prompts(workload: Workload, adapter, dtype: torch.dtype) -> list[Prep
         return list(threads.map(prepare, range(len(workload.requests))))
 
 
-def with_continuation(prompt: PreparedPrompt, continuation: list[int]) -> PreparedPrompt:
-    """`prompt` followed by `continuation`'s tokens (its media unchanged)."""
-    return PreparedPrompt(prompt.prompt_token_ids + list(continuation), prompt.media, prompt.prompt)
-
-
 @torch.no_grad()
 def teacher_forced_logits(engine, prompts: list[PreparedPrompt], continuations: list[list[int]]) -> list[torch.Tensor]:
     """Logits [len(continuation) + 1, vocab] (fp32, host) of each prompt's last token and of

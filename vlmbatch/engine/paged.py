@@ -161,7 +161,6 @@ class PagedEngine(Engine):
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self._unforked: dict[str, list[Sequence]] = {}  # request id -> samples waiting for the first's prompt
         self.stats = EngineStats()
-        self._arrivals = 0
         self.time_phases = False  # sync after the vision tower so `stats.vision_s` is its own time
         # Launch decode step n + 1 before reading step n's tokens (module docstring).
         self.async_decode = config.async_decode
@@ -206,10 +205,9 @@ class PagedEngine(Engine):
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq = Sequence(request_id, list(prompt.prompt_token_ids), replace(params, n=1, seed=seed),
-                           prompt=prompt.prompt, mm=copy.copy(mm), arrival=self._arrivals, index=index,
+                           prompt=prompt.prompt, mm=copy.copy(mm), index=index,
                            detokenizer=IncrementalDetokenizer(self.tokenizer),
                            grammar=self.structured.submit(spec) if spec is not None else None)
-            self._arrivals += 1
             group.append(seq)
         first = group[0]
         if first.grammar is None:

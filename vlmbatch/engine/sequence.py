@@ -89,7 +89,6 @@ class Sequence:
     params: SamplingParams
     prompt: str | None = None
     mm: MultimodalData | None = None
-    arrival: int = 0
     index: int = 0  # which of the request's n completions this is
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = field(init=False)
@@ -154,9 +153,6 @@ class Sequence:
         """Blocks that hold the first `num_tokens` tokens (all of them by default)."""
         n = len(self.token_ids) if num_tokens is None else num_tokens
         return (n + block_size - 1) // block_size
-
-    def block_token_ids(self, index: int, block_size: int) -> list[int]:
-        return self.token_ids[index * block_size : (index + 1) * block_size]
 
     def media_hashes_in(self, start: int, end: int) -> list[str]:
         """Hashes of the media whose placeholder tokens overlap positions [start, end)."""

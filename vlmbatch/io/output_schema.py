@@ -45,7 +45,6 @@ from vlmbatch.structured.spec import CHOICE, JSON_OBJECT, JSON_SCHEMA, Structure
 
 OUTPUT = "output"
 OUTPUT_JSON = "output_json"
-STRUCTURED_COLUMNS = (OUTPUT, OUTPUT_JSON)
 MANIFEST_KEY = "structured_output"  # manifest.extra[MANIFEST_KEY] = manifest_entry(...)
 
 ENUM_TYPE = pa.dictionary(pa.int32(), pa.string())

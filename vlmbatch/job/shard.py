@@ -354,9 +354,10 @@ def _generate(
         try:
             outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - one bad row must not end the shard
+            log.warning("engine step failed (%s: %s); rerunning its %d rows one by one", type(exc).__name__, exc, len(inflight))
             for request_id in list(inflight):
                 engine.abort_request(request_id)
-            _isolate(llm, inflight, factory, record, exc)
+            _isolate(llm, inflight, factory, record)
             inflight.clear()
             budget.held.clear()
             continue
@@ -400,7 +401,6 @@ def _isolate(
     inflight: dict[str, PreparedRow],
     factory: ResultRowFactory,
     record: Callable[[dict[str, Any] | list[dict[str, Any]], bool], None],
-    batch_error: Exception,
 ) -> None:
     """After an engine failure on a batch, rerun its rows one by one to find the bad ones."""
     for request_id, item in inflight.items():
