@@ -19,8 +19,9 @@ def bench_make_checkpoint(
     overflow: list[Path] = typer.Option([], "--overflow", metavar="DIR", help="A directory on another filesystem (e.g. /dev/shm) for the "
                                         "shards DIRECTORY's has no room for, linked from the model folder; repeatable."),
 ) -> None:
-    """Write a checkpoint of the shape with random weights without building the model: host
-    memory holds one shard, so Qwen2.5-VL-72B in FP8 (~77 GB) is written on a GPU machine
+    """Write a shape's random weights as a checkpoint, shard by shard, without building the model.
+
+    Host memory holds one shard, so Qwen2.5-VL-72B in FP8 (~77 GB) is written on a GPU machine
     and then loaded by `bench engine --model DIR/<shape> --no-reference`. A checkpoint
     larger than the disk spills into `--overflow` directories; one that cannot fit even so
     is refused before anything is written."""

@@ -14,8 +14,10 @@ def bench_kernels(
     write_table: bool = typer.Option(False, "--write-table", help="Write the prefill sweep's fastest launch per prompt length "
                                      "into kernels/prefill_tuned.json, which the engine's prefill attention reads."),
 ) -> None:
-    """Check every kernel in bf16/fp16, then time prefill and decode attention against SDPA, and the
-    decode-step linear layers against cuBLAS, next to the GPU's ceilings."""
+    """Check every kernel in bf16/fp16, then time them against SDPA and cuBLAS.
+
+    Prefill and decode attention against SDPA, the decode-step linear layers against
+    cuBLAS, each next to the GPU's measured ceilings."""
     import torch
 
     if not torch.cuda.is_available():

@@ -21,9 +21,10 @@ def bench_tower(
     quantize_vision: bool = typer.Option(False, "--quantize-vision", help="Also time ours with its linear layers in FP8, as "
                                          "`--quantization fp8 --quantize-vision` runs the tower (FP8 GEMMs need a GPU of SM 8.9+)."),
 ) -> None:
-    """ms per image, TFLOP/s and the relative error of our vision tower and transformers', for
-    shapes whose family has a tower of ours (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; SigLIP:
-    gemma3, llava_onevision, idefics3, smolvlm)."""
+    """ms per image, TFLOP/s and relative error of our vision tower against transformers'.
+
+    For shapes whose family has a tower of ours (qwen2_5_vl, qwen3_vl, qwen3_vl_moe;
+    SigLIP: gemma3, llava_onevision, idefics3, smolvlm)."""
     from vlmbatch.bench.shapes import ShapeError
     from vlmbatch.bench.tower import SDPA_BACKENDS, check_shape, run
     from vlmbatch.engine.loading import resolve_device

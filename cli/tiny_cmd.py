@@ -23,9 +23,10 @@ def make_tiny_model_command(
         "or fp8-dynamic (compressed-tensors -FP8-dynamic: per channel, weight_scale).",
     ),
 ) -> None:
-    """Write a tiny random-weight checkpoint in Hugging Face layout (config, safetensors,
-    tokenizer, processor, chat template) that `--model DIR` accepts. Its output is
-    gibberish: it exists to exercise the pipeline without downloading a real model."""
+    """Write a tiny random-weight checkpoint in Hugging Face layout that `--model DIR` accepts.
+
+    Config, safetensors, tokenizer, processor and chat template, as a real model has. Its
+    output is gibberish: it exists to exercise the pipeline without downloading a model."""
     from vlmbatch.testing.tiny import make_tiny_model
 
     from vlmbatch.testing.fp8_checkpoints import FORMATS, quantize_checkpoint
