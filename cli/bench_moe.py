@@ -13,12 +13,14 @@ def bench_moe(
     json_out: Path = typer.Option(Path("moe_sweep.json"), "--json", help="Where to write every candidate's timing."),
     tokens: str = typer.Option("1,2,4,8,16,32,64,128,256,512,1024,4096,16384", help="Token counts to sweep, comma-separated."),
     layers: int = typer.Option(4, min=1, help="Distinct expert weight sets per timing, so each call reads from memory, not L2."),
-    write_table: bool = typer.Option(False, "--write-table", help="Write the winners into kernels/fused_moe.py's tuned table."),
+    write_table: bool = typer.Option(False, "--write-table", help="Write the winners into the fused MoE's tuned table (kernels/fused_moe_tuned.json)."),
     experts: str = typer.Option("bf16", "--experts", help="Expert weights: bf16, or fp8-block (e4m3 with 128x128 block scales, "
                                 "as Qwen's -FP8 checkpoints; its own table entry)."),
 ) -> None:
-    """Time every candidate tile of the Qwen3-VL-30B-A3B expert shape (bf16 activations) and print the
-    fastest per token count as a share of copy bandwidth; the table the engine uses comes from this."""
+    """Time every candidate tile of the fused MoE per token count; the engine's table comes from this.
+
+    The Qwen3-VL-30B-A3B expert shape with bf16 activations and bf16 or block-FP8 experts
+    (`--experts`); the fastest per token count is printed as a share of copy bandwidth."""
     import torch
 
     from vlmbatch.bench.moe import EXPERT_FORMATS

@@ -7,7 +7,8 @@ on the CPU under `TRITON_INTERPRET=1` and on the GPU (`vlmbatch bench kernels`).
 from .decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
 from . import fp8
 from .fp8 import Fp8GemmConfig, fp8_gemm, quantize_fp8
-from .fused_moe import GemmTile, MoeConfig, fused_moe
+from .fused_moe import fused_moe
+from .moe_tiles import GemmTile, MoeConfig
 from .moe_routing import route_topk
 from .kv_cache_write import store_kvcache
 from .prefill_attention import PrefillConfig, choose_prefill_config, paged_prefill_attention

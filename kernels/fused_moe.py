@@ -1,10 +1,10 @@
 """The experts of a mixture-of-experts layer (Qwen3-VL-MoE's sparse block) as grouped GEMMs.
 
-Given each token's top-k experts and routing weights (the router stays in torch, exactly as
-transformers computes it), four launches do the rest:
+Given each token's top-k experts and routing weights (from `moe_routing.route_topk` or
+torch, exactly as transformers routes), four launches do the rest:
 
-1. `moe_align`: the (token, slot) pairs are sorted by expert and each expert's run is padded
-   to a multiple of BLOCK_M, so every M block of the GEMMs belongs to one expert. Only
+1. `moe_align` (moe_align.py): the (token, slot) pairs are sorted by expert and each
+   expert's run is padded to a multiple of BLOCK_M, so every M block of the GEMMs belongs to one expert. Only
    experts that received a token get blocks: at decode batch 1 with top-8 there are exactly
    8 blocks, and no program is launched for the 120 idle experts' weights.
 2. `expert_gate_up`: `x @ W_gate_up[e].T` per block with SiLU(gate) * up in the epilogue.
@@ -27,34 +27,24 @@ A decode step is bound by reading the weights of the experts its tokens chose (9
 expert at the 30B-A3B shapes), so the work depends on bytes, not FLOPs: grids are sized
 from the worst case of the token count alone (fixed shapes for CUDA graphs; programs past
 the real number of blocks exit at once), nothing waits on the host, and the tile shapes
-come from a table measured on the H200 (`vlmbatch bench moe`, kept in fused_moe_tuned.json),
-keyed by the token count.
+come from a table measured on the H200 (`vlmbatch bench moe`, kept in fused_moe_tuned.json
+and read by moe_tiles.py), keyed by the token count.
 Rounding follows transformers' module (see `reference.fused_moe_ref`).
 """
 
 from __future__ import annotations
-
-import json
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .fp8 import quantize_fp8, split_buffers
+from .moe_align import ExpertBlocks, moe_align
+from .moe_tiles import FP8_BLOCK, GemmTile, MoeConfig, choose_config, fp8_tile
 from .pdl import follow_previous, launch_options, pdl_launch
 
-FP8_BLOCK = 128  # FP8 expert weights: one scale per 128 x 128 block
-_FP8_BLOCK = tl.constexpr(FP8_BLOCK)  # the same, readable inside the kernels
+_FP8_BLOCK = tl.constexpr(FP8_BLOCK)  # FP8 expert weights' 128 x 128 scale blocks, readable inside the kernels
 
-# moe_align: up to this many (token, slot) pairs one program counts and places them all
-# (one launch); beyond it each program takes a chunk and a first launch counts the chunks.
-SINGLE_PROGRAM_PAIRS = 512
-MIN_CHUNK_PAIRS = 512
-MAX_CHUNKS = 128
-_ALIGN_ROWS = 64  # pairs per step inside an align program ([rows, experts] one-hot tiles)
 _SUM_ELEMENTS = 2048  # of a sum_slots program: [tokens, hidden] tile
 
 # The kernels' relative L2 error against `reference.fused_moe_ref`: both round at the same
@@ -67,229 +57,6 @@ REL_L2_BOUND = {torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16: 2.
 # bf16's rounding plus the rare value that a different float32 order moves across an e4m3
 # rounding step of the activations between the GEMMs (1/16 of itself).
 FP8_REL_L2_BOUND = 1e-2
-
-
-@dataclass(frozen=True)
-class GemmTile:
-    """Launch shape of one expert GEMM (BLOCK_M is shared by both and lives in MoeConfig).
-    The per-pair kernels of BLOCK_M 1 use block_n, block_k and num_warps, and `mma_rows`:
-    0 for the GEMV kernels (`_pair_gate_up_kernel`, `_token_down_kernel`), else the rows of
-    the tensor-core tile of their MMA variants (one real row, the rest masked: the weight
-    tiles then stream through the software pipeline, num_stages deep, as the grouped GEMMs'
-    do, while no sort is needed). `prefetch` (MMA variants, on a CUDA device): each program
-    first asks L2 for its whole weight slice (`_prefetch_l2`), so that all of its bytes are
-    in flight at once rather than num_stages tiles of them. `split_slots` (the per-token
-    down GEMV): 1 gives each of a token's k slots its own programs
-    (`_token_down_split_kernel`), k times the programs, each streaming one expert's rows."""
-
-    block_n: int
-    block_k: int
-    group_m: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    mma_rows: int = 0
-    prefetch: int = 0
-    split_slots: int = 0
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """block_m: the rows of an expert block of the grouped GEMMs, or 1 for the per-pair kernels."""
-
-    block_m: int
-    gate_up: GemmTile
-    down: GemmTile
-
-
-# The tile table measured by `vlmbatch bench moe --write-table` (data beside this module):
-# {"hidden,intermediate,num_experts,top_k": {"measured": ..., "configs": {tokens: config}}},
-# and with block-FP8 experts (`--experts fp8-block`) under "hidden,...,top_k,fp8-block".
-TUNED_TABLE_PATH = Path(__file__).with_name("fused_moe_tuned.json")
-EXPERT_FORMATS = ("bf16", "fp8-block")  # the experts' weights a table was measured with
-
-
-def config_from_json(entry: dict) -> MoeConfig:
-    """One config of the tuned table (extra keys such as the measured time are notes)."""
-    return MoeConfig(entry["block_m"], GemmTile(**entry["gate_up"]), GemmTile(**entry["down"]))
-
-
-def table_key(shape: tuple[int, int, int, int], experts: str = "bf16") -> str:
-    """The tuned table's key of a shape (hidden, intermediate, num_experts, top_k) and expert format."""
-    return ",".join(str(part) for part in (*shape, *([experts] if experts != "bf16" else [])))
-
-
-def load_tuned_configs(path: Path = TUNED_TABLE_PATH, experts: str = "bf16") -> dict[tuple[int, int, int, int], dict[int, MoeConfig]]:
-    """The table of one expert format keyed by (hidden, intermediate, num_experts, top_k), then token count."""
-    if not path.exists():
-        return {}
-    tables = json.loads(path.read_text())
-    parsed = {}
-    for key, table in tables.items():
-        parts = key.split(",")
-        if (parts.pop() if not parts[-1].isdigit() else "bf16") == experts:
-            parsed[tuple(int(part) for part in parts)] = {int(n): config_from_json(entry) for n, entry in table["configs"].items()}
-    return parsed
-
-
-TUNED_CONFIGS = load_tuned_configs()
-TUNED_FP8_CONFIGS = load_tuned_configs(experts="fp8-block")
-
-
-def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
-    """A reasonable launch for shapes the table lacks: BLOCK_M near the mean number of rows
-    of an expert that has any (padding rows cost reads of nothing but MMA time), narrow
-    weight strips while the product is bound by reading weights, square tiles once not."""
-    pairs = num_tokens * top_k
-    rows_per_expert = pairs / max(1, min(num_experts, pairs))
-    if rows_per_expert <= 16:
-        return MoeConfig(16, GemmTile(64, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
-    if rows_per_expert <= 32:
-        return MoeConfig(32, GemmTile(64, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
-    if rows_per_expert <= 96:
-        return MoeConfig(64, GemmTile(128, 64, 8, 4, 3), GemmTile(128, 64, 8, 4, 3))
-    return MoeConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
-
-
-def choose_config(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, fp8: bool = False) -> MoeConfig:
-    """The tuned entry for the smallest swept token count >= num_tokens (the largest beyond
-    them), or `default_config` for shapes that were never swept. FP8 experts take the table
-    swept with them where there is one, else bf16's (its grouped tiles then go through
-    `fp8_tile` at launch)."""
-    shape = (hidden, intermediate, num_experts, top_k)
-    table = (TUNED_FP8_CONFIGS.get(shape) if fp8 else None) or TUNED_CONFIGS.get(shape)
-    if not table:
-        return default_config(num_tokens, num_experts, top_k)
-    key = min((n for n in table if n >= num_tokens), default=max(table))
-    return table[key]
-
-
-class ExpertBlocks(NamedTuple):
-    """The (token, slot) pairs sorted by expert, in BLOCK_M runs (fixed-size, worst-case buffers).
-
-    `sorted_pairs[i]` is a flat pair index `token * top_k + slot`, or `num_pairs` in the
-    padding of an expert's last block; `expert_ids[b]` is block b's expert (-1 past the
-    used blocks); `num_padded[0]` is how many entries of `sorted_pairs` are used.
-    """
-
-    sorted_pairs: torch.Tensor
-    expert_ids: torch.Tensor
-    num_padded: torch.Tensor
-    block_m: int
-
-
-def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The most BLOCK_M blocks `num_pairs` pairs can need: each of n used experts rounds its
-    run up, sum(ceil(c_e / B)) <= n + (pairs - n) // B, largest at n = min(experts, pairs)."""
-    used = min(num_experts, num_pairs)
-    return used + (num_pairs - used) // block_m
-
-
-@triton.jit
-def _load_ids(ids_ptr, offs, end, num_experts):
-    """Expert ids at `offs` (< end), with -1 for ids outside [0, num_experts): they match no expert."""
-    ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1)
-    return tl.where((ids >= 0) & (ids < num_experts), ids, -1)
-
-
-@triton.jit
-def _count_pairs(ids_ptr, start, count, num_experts, E_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """Pairs per expert among ids[start : start + count] ([E_PAD] int32)."""
-    experts = tl.arange(0, E_PAD)
-    totals = tl.zeros([E_PAD], dtype=tl.int32)
-    for step in range(0, count, ROWS):
-        ids = _load_ids(ids_ptr, start + step + tl.arange(0, ROWS), start + count, num_experts)
-        totals += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    return totals
-
-
-@triton.jit(do_not_specialize=["num_pairs", "chunk"])
-def _count_chunks_kernel(ids_ptr, chunk_counts_ptr, num_pairs, chunk, num_experts, E_PAD: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
-    follow_previous(PDL)
-    p = tl.program_id(0)
-    start = p * chunk
-    counts = _count_pairs(ids_ptr, start, tl.minimum(chunk, num_pairs - start), num_experts, E_PAD, ROWS)
-    tl.store(chunk_counts_ptr + p * E_PAD + tl.arange(0, E_PAD), counts)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "num_blocks"])
-def _place_pairs_kernel(
-    ids_ptr, chunk_counts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-    num_pairs, chunk, num_chunks, num_blocks, num_experts,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, COUNT_HERE: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Program p places the pairs of its chunk: expert e's run starts at the padded total
-    of experts < e; within it pairs keep their order (earlier chunks first, then the rank
-    among this chunk's pairs of e). Program 0 also writes the padding sentinels, the block
-    experts and the used length. Ids outside [0, E) match no expert and are never placed."""
-    follow_previous(PDL)
-    p = tl.program_id(0)
-    experts = tl.arange(0, E_PAD)
-    start = p * chunk
-    count = tl.minimum(chunk, num_pairs - start)
-    if COUNT_HERE:  # a single program: the whole input is its chunk
-        totals = _count_pairs(ids_ptr, 0, num_pairs, num_experts, E_PAD, ROWS)
-        earlier = tl.zeros([E_PAD], dtype=tl.int32)
-    else:
-        totals = tl.zeros([E_PAD], dtype=tl.int32)
-        earlier = tl.zeros([E_PAD], dtype=tl.int32)
-        for q0 in range(0, num_chunks, ROWS):
-            qs = q0 + tl.arange(0, ROWS)
-            counts = tl.load(chunk_counts_ptr + qs[:, None] * E_PAD + experts[None, :], mask=qs[:, None] < num_chunks, other=0)
-            totals += tl.sum(counts, axis=0)
-            earlier += tl.sum(tl.where(qs[:, None] < p, counts, 0), axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    next_slot = ends - padded + earlier
-    for step in range(0, count, ROWS):
-        offs = start + step + tl.arange(0, ROWS)
-        ids = _load_ids(ids_ptr, offs, start + count, num_experts)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - 1  # among this step's pairs of the same expert
-        dest = tl.sum(onehot * (next_slot[None, :] + rank), axis=1)
-        tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=tl.sum(onehot, axis=1) > 0)
-        next_slot += tl.sum(onehot, axis=0)
-    if p == 0:
-        used = tl.sum(padded, axis=0)
-        tl.store(num_padded_ptr, used)
-        lane = tl.arange(0, BLOCK_M)
-        pad_slots = (ends - padded + totals)[:, None] + lane[None, :]
-        sentinel = tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + num_pairs
-        tl.store(sorted_ptr + pad_slots, sentinel, mask=lane[None, :] < (padded - totals)[:, None])
-        block_ends = ends // BLOCK_M
-        for b0 in range(0, num_blocks, ROWS):
-            blocks = b0 + tl.arange(0, ROWS)
-            owner = tl.sum((block_ends[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
-            owner = tl.where(blocks < used // BLOCK_M, owner, -1)
-            tl.store(expert_ids_ptr + blocks, owner, mask=blocks < num_blocks)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False) -> ExpertBlocks:
-    """Sort the pairs of `topk_ids` [tokens, k] by expert into BLOCK_M-padded runs, on the
-    device and without waiting for it (buffers sized by `max_blocks`)."""
-    ids = topk_ids.reshape(-1)
-    num_pairs = ids.numel()
-    blocks = max_blocks(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
-    expert_ids = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
-    if num_pairs == 0:
-        num_padded.zero_()
-        return ExpertBlocks(sorted_pairs, expert_ids, num_padded, block_m)
-    e_pad = triton.next_power_of_2(num_experts)
-    options = launch_options(pdl)
-    if num_pairs <= SINGLE_PROGRAM_PAIRS:
-        chunk, num_chunks, chunk_counts = num_pairs, 1, num_padded  # no chunk counts to read
-    else:
-        chunk = max(MIN_CHUNK_PAIRS, triton.next_power_of_2(triton.cdiv(num_pairs, MAX_CHUNKS)))
-        num_chunks = triton.cdiv(num_pairs, chunk)
-        chunk_counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=ids.device)
-        _count_chunks_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, chunk, num_experts, E_PAD=e_pad, ROWS=_ALIGN_ROWS, **options)
-    _place_pairs_kernel[(num_chunks,)](
-        ids, chunk_counts, sorted_pairs, expert_ids, num_padded,
-        num_pairs, chunk, num_chunks, blocks, num_experts,
-        BLOCK_M=block_m, E_PAD=e_pad, ROWS=_ALIGN_ROWS, COUNT_HERE=num_chunks == 1, **options,
-    )  # fmt: skip
-    return ExpertBlocks(sorted_pairs, expert_ids, num_padded, block_m)
 
 
 # Bulk L2 prefetches (sm_90) go in pieces of about this many bytes of a weight row.
@@ -831,21 +598,3 @@ def fused_moe(
         act_q, act_s = quantize_fp8(act, FP8_BLOCK, pdl_max_rows)
         per_pair = expert_down(act_q, w_down, topk_weights, blocks, fp8_tile(config.down, gated=False), pdl, down_scales, act_s, hidden.dtype)
     return sum_slots(per_pair, topk_ids, num_experts, pdl)
-
-
-# Widest output tile of a w8a8 grouped GEMM per accumulator: the gated GEMM keeps two (gate,
-# up), and each K step's float32 product needs a third tile of registers before it is scaled.
-FP8_MAX_BLOCK_N = {True: 64, False: 128}
-
-
-def fp8_tile(tile: GemmTile, gated: bool) -> GemmTile:
-    """A grouped-GEMM tile of the table (measured with bf16 operands) for e4m3 operands: K
-    steps of one whole 128-column scale group, which is the shared memory a bf16 step of 64
-    columns takes, and half the steps (each scaled once). Its columns are capped
-    (`FP8_MAX_BLOCK_N`): with the table's 128-column gate/up and 256-column down tiles of
-    128 rows, ptxas ran out of registers (255) and spilled in the main loop (sm_90, session
-    16): the likely reason the w8a8 grouped GEMMs lost to bf16 on the H200 (232 against 116
-    ms for one 30B-A3B prefill step; capped, 118 ms in session 17). The sweep with FP8
-    experts (`bench moe --experts fp8-block`) measures tiles of its own; this maps bf16's
-    where no FP8 table is."""
-    return replace(tile, block_k=FP8_BLOCK, block_n=min(tile.block_n, FP8_MAX_BLOCK_N[gated]))

@@ -539,7 +539,8 @@ def test_kernel_fused_moe_with_fp8_experts_matches_the_reference(block_m, mma_ro
     table's tile has: they step by whole 128-column groups), as the reference with
     `fp8_activations` does. The per-pair K steps of 64 columns read one row of block scales
     per step, steps of 256 a scale per column."""
-    from vlmbatch.kernels.fused_moe import GemmTile, MoeConfig, fused_moe
+    from vlmbatch.kernels.fused_moe import fused_moe
+    from vlmbatch.kernels.moe_tiles import GemmTile, MoeConfig
     from vlmbatch.kernels.reference import fused_moe_fp8_ref
 
     experts, hidden, intermediate, tokens, top_k = 4, 256, 128, 9, 2
@@ -573,7 +574,9 @@ def test_kernel_grouped_expert_gemms_multiply_e4m3_activations_by_e4m3_weights(h
     reference, so nothing here depends on the interpreter's cast): each 128-column step's
     e4m3 product times its activation and weight scales equals the float32 product of the
     dequantized operands, a K that ends inside a group included."""
-    from vlmbatch.kernels.fused_moe import GemmTile, expert_down, expert_gate_up, moe_align
+    from vlmbatch.kernels.fused_moe import expert_down, expert_gate_up
+    from vlmbatch.kernels.moe_align import moe_align
+    from vlmbatch.kernels.moe_tiles import GemmTile
 
     experts, intermediate, tokens, top_k = 4, 128, 9, 2
     gen = torch.Generator().manual_seed(1)

@@ -24,9 +24,9 @@ import torch
 
 import vlmbatch.kernels as kernels
 from vlmbatch.engine.layers.moe import FusedMoE, select_experts
-from vlmbatch.kernels.fused_moe import (
-    REL_L2_BOUND, TUNED_CONFIGS, TUNED_TABLE_PATH, GemmTile, MoeConfig, fused_moe, load_tuned_configs, max_blocks, moe_align,
-)  # fmt: skip
+from vlmbatch.kernels.fused_moe import REL_L2_BOUND, fused_moe
+from vlmbatch.kernels.moe_align import max_blocks, moe_align
+from vlmbatch.kernels.moe_tiles import TUNED_CONFIGS, TUNED_TABLE_PATH, GemmTile, MoeConfig, load_tuned_configs
 from vlmbatch.kernels.reference import fused_moe_ref
 from vlmbatch.kernels.testing import TOLERANCE, kernel_target, ptxas_spill_bytes
 
@@ -335,7 +335,8 @@ def test_every_grouped_tile_fits_the_h200s_shared_memory_and_registers_with_fp8_
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from vlmbatch.kernels.fused_moe import TUNED_CONFIGS, _expert_gemm_kernel, default_config, fp8_tile
+    from vlmbatch.kernels.fused_moe import _expert_gemm_kernel
+    from vlmbatch.kernels.moe_tiles import default_config, fp8_tile
 
     defaults = [default_config(tokens, 128, 8) for tokens in (16, 64, 512, 4096)]  # shapes never swept
     tiles = {(config.block_m, gated, tile) for config in [*defaults, *(c for table in TUNED_CONFIGS.values() for c in table.values())]
@@ -369,9 +370,9 @@ def test_kernels_compile_for_hopper_with_streamed_weights():
     from triton.compiler import ASTSource, compile
 
     from vlmbatch.kernels.fused_moe import (
-        _expert_gemm_kernel, _pair_gate_up_kernel, _place_pairs_kernel, _sum_slots_kernel, _token_down_kernel, _token_down_mma_kernel,
-        _token_down_split_kernel,
+        _expert_gemm_kernel, _pair_gate_up_kernel, _sum_slots_kernel, _token_down_kernel, _token_down_mma_kernel, _token_down_split_kernel,
     )  # fmt: skip
+    from vlmbatch.kernels.moe_align import _place_pairs_kernel
 
     def build(fn, args: dict[str, str], constants: dict, **options) -> str:
         # Pointers, strides and sizes 16-aligned, as the JIT specialises them for these shapes.
@@ -546,7 +547,8 @@ def test_gpu_fp8_block_experts_at_30b_a3b_shapes(num_tokens):
     launches: the per-pair GEMVs at one token (weights dequantized per tile), the grouped
     w8a8 GEMMs from 64 (`quantize_fp8` is torch's cast bit for bit here). Against the
     reference of each, within `FP8_REL_L2_BOUND`."""
-    from vlmbatch.kernels.fused_moe import FP8_REL_L2_BOUND, choose_config
+    from vlmbatch.kernels.fused_moe import FP8_REL_L2_BOUND
+    from vlmbatch.kernels.moe_tiles import choose_config
     from vlmbatch.kernels.reference import fused_moe_fp8_ref, quantize_fp8_blocks_ref
 
     x, w_gate_up, w_down, weights, ids = moe_inputs(num_tokens, **A3B, dtype=torch.bfloat16, seed=num_tokens, device="cuda")

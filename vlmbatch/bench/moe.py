@@ -13,7 +13,7 @@ Timings are CUDA-graph replays (no launch gaps, as the engine's decode graphs ru
 passes over `layers` distinct weight sets and routings, one call each, so that every call
 reads its experts from memory, not from L2 (4 layers of 30B-A3B are 4.8 GB). The kernels
 are compiled first in parallel processes. `write_tuned_table` puts the chosen configs into
-`kernels/fused_moe.py`: `vlmbatch bench moe --json moe_sweep.json --write-table`.
+`kernels/moe_tiles.py`: `vlmbatch bench moe --json moe_sweep.json --write-table`.
 
 With block-FP8 experts (`--experts fp8-block`, e4m3 weights with 128x128 block scales, as
 Qwen's -FP8 checkpoints hold them) the per-pair kernels dequantize weight tiles (w8a16) and
@@ -39,26 +39,17 @@ import torch
 from vlmbatch.engine.kernel_choice import PDL_MAX_BATCH
 from vlmbatch.engine.layers.moe import select_experts
 from vlmbatch.kernels.fused_moe import (
-    EXPERT_FORMATS,
-    FP8_BLOCK,
     FP8_REL_L2_BOUND,
     REL_L2_BOUND,
-    SINGLE_PROGRAM_PAIRS,
-    TUNED_TABLE_PATH,
-    ExpertBlocks,
-    GemmTile,
-    MoeConfig,
     expert_down,
     expert_gate_up,
-    fp8_tile,
     fused_moe,
-    max_blocks,
-    moe_align,
     pair_gate_up,
     sum_slots,
-    table_key,
     token_down,
 )
+from vlmbatch.kernels.moe_align import SINGLE_PROGRAM_PAIRS, ExpertBlocks, max_blocks, moe_align
+from vlmbatch.kernels.moe_tiles import EXPERT_FORMATS, FP8_BLOCK, TUNED_TABLE_PATH, GemmTile, MoeConfig, fp8_tile, table_key
 from vlmbatch.kernels.reference import (
     fused_moe_fp8_ref,
     fused_moe_fp8_stages_ref,
