@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .fp8 import BLOCK_GROUP as FP8_BLOCK
 
+
 @dataclass(frozen=True)
 class GemmTile:
     """Launch shape of one expert GEMM (BLOCK_M is shared by both and lives in MoeConfig).
