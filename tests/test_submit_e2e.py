@@ -154,6 +154,39 @@ def test_parquet_job_with_hf_image_structs_and_column_mapping(tiny_qwen: Path, t
     assert result.sort_by("row_id").column("score").to_pylist() == [1.5, 2.5, None, 4.0]
 
 
+def test_parquet_columns_as_exporters_write_them(tiny_qwen: Path, tmp_path: Path) -> None:
+    """Binary prompts, chat messages / image lists / logit biases as JSON text, a stop string:
+    each read as the value it encodes, and each malformed one is its row's `invalid_row`."""
+    write_media(tmp_path)
+    chat = json.dumps([{"role": "user", "content": "Hello"}])
+    rows = [  # (prompt bytes, messages JSON, images, stop, logit_bias JSON) -> error_type
+        ((qwen_prompt("Describe.", 0).encode(), None, None, "###", None), None),
+        ((b"\xff\xfe not utf-8", None, None, None, None), "invalid_row"),
+        ((None, chat, None, None, '{"11": -100}'), None),
+        ((None, '[{"role": ', None, None, None), "invalid_row"),
+        ((None, "[]", None, None, None), "invalid_row"),
+        ((qwen_prompt("Two?", 2).encode(), None, '["img/good.png", "img/good.png"]', None, None), None),
+        ((qwen_prompt("One?").encode(), None, "img/good.png", None, None), None),
+        ((qwen_prompt("List?").encode(), None, '["img/good.png"', None, None), "invalid_row"),
+        ((None, chat, None, None, "{bad"), "invalid_row"),
+    ]
+    columns = list(zip(*(values for values, _ in rows)))
+    table = pa.table({
+        "prompt": pa.array(columns[0], pa.binary()), "messages": pa.array(columns[1], pa.string()),
+        "images": pa.array(columns[2], pa.string()), "stop": pa.array(columns[3], pa.string()),
+        "logit_bias": pa.array(columns[4], pa.string()),
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "rows.parquet")
+    output = tmp_path / "out"
+    proc = vlmbatch("submit", str(tmp_path / "rows.parquet"), "--model", str(tiny_qwen), "--output", str(output),
+                    "--engine", "paged", "--max-tokens", "3")  # fmt: skip
+    result = {r["row_id"]: r for r in check_results(job_dir_from(proc, output), [e for _, e in rows]).to_pylist()}
+    assert "not valid UTF-8" in result[1]["error"] and "'prompt'" in result[1]["error"]
+    assert "not valid JSON" in result[3]["error"] and "non-empty list" in result[4]["error"]
+    assert "'images'" in result[7]["error"] and "'logit_bias'" in result[8]["error"]
+    assert result[5]["num_input_tokens"] > result[6]["num_input_tokens"] > result[0]["num_input_tokens"]  # two images, one, none
+
+
 def test_openai_batch_input_keeps_custom_id(tiny_qwen: Path, tmp_path: Path) -> None:
     data_url = "data:image/png;base64," + base64.b64encode(png_bytes("red")).decode()
     lines = []
