@@ -56,16 +56,16 @@ def _seek_at_or_before(capture: Any, target: int, index: StreamIndex, fps: float
     OpenCV seeks to the keyframe before `frame number - 16` and decodes forward to
     the frame number, so asking for the target itself decodes least. Its frame
     number is `pts * fps`, wrong on VFR files, so the landing is read back and the
-    seek retried about a second earlier while it is past the target.
+    seek retried about a second earlier while it is past the target, or past the
+    last frame OpenCV counts (nothing to grab there: on a VFR file the last frames'
+    numbers can exceed the frame count).
     """
     import cv2
 
     frame_number = round(index.timestamps[target] * fps)
     while True:
         capture.set(cv2.CAP_PROP_POS_FRAMES, frame_number)
-        if not capture.grab():
-            return None
-        landed = position()
-        if landed <= target or frame_number == 0:
+        landed = position() if capture.grab() else None
+        if (landed is not None and landed <= target) or frame_number == 0:
             return landed
         frame_number = max(0, frame_number - max(1, int(fps)))
