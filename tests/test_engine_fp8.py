@@ -182,11 +182,11 @@ def test_published_quantization_configs_parse():
     block = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
              "modules_to_not_convert": ["lm_head", "model.visual"]}  # fmt: skip
     scheme = checkpoint_scheme(block)
-    assert (scheme.format, scheme.block, scheme.ignore, scheme.scale_name) == (BLOCK, (128, 128), ("lm_head", "model.visual"), "weight_scale_inv")
+    assert (scheme.format, scheme.block, scheme.scale_name) == (BLOCK, (128, 128), "weight_scale_inv")
     from vlmbatch.testing.fp8_checkpoints import quantization_config
 
     dynamic = checkpoint_scheme(quantization_config("fp8-dynamic"))
-    assert (dynamic.format, dynamic.scale_name) == (CHANNEL, "weight_scale") and "lm_head" in dynamic.ignore
+    assert (dynamic.format, dynamic.scale_name) == (CHANNEL, "weight_scale")
     assert checkpoint_scheme(None) is None
 
 

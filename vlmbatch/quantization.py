@@ -6,11 +6,14 @@ the model is loaded (at submit, as other model errors), naming what was found:
 - block-wise FP8 (`quant_method: "fp8"`, Qwen's and DeepSeek's `-FP8` releases): e4m3
   weights with one `weight_scale_inv` per 128x128 block (the dequantized weight is
   `weight * weight_scale_inv`, whatever the name says), activations quantized
-  dynamically per token and group of 128 channels; `modules_to_not_convert` stays as is.
+  dynamically per token and group of 128 channels.
 - compressed-tensors FP8 (`quant_method: "compressed-tensors"`, `format: float-quantized`,
   the `-FP8-dynamic` releases of llm-compressor): e4m3 weights with one `weight_scale` per
-  output channel, activations dynamic per token; the `ignore` list (names, or `re:`
-  patterns) stays as is.
+  output channel, activations dynamic per token.
+
+In both, a weight is quantized exactly when the checkpoint stores a scale for it
+(`fp8_loading.py`): the modules of its ignore list (`modules_to_not_convert`, `ignore`)
+have none and load as they are, so the list itself is not consulted.
 
 Online quantization builds either format at load time from bf16 weights:
 `EngineConfig.quantization == "fp8"` per output channel with dynamic per-token
@@ -19,7 +22,6 @@ activations, `"fp8-block"` in 128x128 blocks with 1x128 activation groups.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +40,10 @@ class UnsupportedQuantization(JobError):
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """How a model's linear layers are quantized, and which of them are not."""
+    """How a model's linear layers are quantized."""
 
     format: str  # BLOCK or CHANNEL
     block: tuple[int, int] | None = None  # (rows, columns) of a weight block; BLOCK only
-    ignore: tuple[str, ...] = ()  # module names (suffix match) or "re:" patterns left unquantized
     prequantized: bool = True  # the checkpoint holds fp8 weights and scales (False: online)
     quantize_vision: bool = False  # online only: the vision tower's linear layers too
 
@@ -50,16 +51,6 @@ class Fp8Scheme:
     def scale_name(self) -> str:
         """The checkpoint's name of a weight's scale tensor."""
         return "weight_scale_inv" if self.format == BLOCK else "weight_scale"
-
-    def ignores(self, module: str) -> bool:
-        """Whether the checkpoint leaves `module` (a dotted module name) unquantized."""
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.fullmatch(entry[3:], module) or re.match(entry[3:], module):
-                    return True
-            elif module == entry or module.endswith("." + entry) or entry.endswith("." + module):
-                return True
-        return False
 
     def describe(self) -> str:
         where = "checkpoint" if self.prequantized else "online"
@@ -75,8 +66,7 @@ def online_scheme(quantization: str, quantize_vision: bool = False) -> Fp8Scheme
     if quantization not in QUANTIZATION_CHOICES:
         raise UnsupportedQuantization(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_CHOICES)}")
     block = (128, 128) if quantization == "fp8-block" else None
-    return Fp8Scheme(BLOCK if block else CHANNEL, block=block, prequantized=False, quantize_vision=quantize_vision,
-                     ignore=("lm_head", "re:.*mlp\\.gate$"))  # fmt: skip
+    return Fp8Scheme(BLOCK if block else CHANNEL, block=block, prequantized=False, quantize_vision=quantize_vision)
 
 
 def checkpoint_scheme(quantization_config: Mapping[str, Any] | None, model: str = "") -> Fp8Scheme | None:
@@ -105,8 +95,7 @@ def _block_scheme(qc: dict[str, Any], where: str) -> Fp8Scheme:
             f"unsupported fp8 checkpoint{where}: {found}; supported: weight_block_size [128, 128], "
             "activation_scheme 'dynamic', fmt 'e4m3'"
         )
-    ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
-    return Fp8Scheme(BLOCK, block=(128, 128), ignore=ignore)
+    return Fp8Scheme(BLOCK, block=(128, 128))
 
 
 def _compressed_tensors_scheme(qc: dict[str, Any], where: str) -> Fp8Scheme:
@@ -131,4 +120,4 @@ def _compressed_tensors_scheme(qc: dict[str, Any], where: str) -> Fp8Scheme:
         problems.append("kv_cache_scheme (supported: none; use --kv-cache-dtype fp8 for a dynamic one)")
     if problems:
         raise UnsupportedQuantization(f"unsupported compressed-tensors checkpoint{where}: " + "; ".join(problems))
-    return Fp8Scheme(CHANNEL, ignore=tuple(qc.get("ignore") or ()))
+    return Fp8Scheme(CHANNEL)
