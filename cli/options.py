@@ -27,12 +27,6 @@ BrokerOption = typer.Option(
 )
 DtypeOption = typer.Option("auto", "--dtype", envvar="VLMBATCH_DTYPE", help="Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
 DeviceOption = typer.Option("auto", "--device", envvar="VLMBATCH_DEVICE", help="auto, cpu, cuda or cuda:N.")
-AttentionBackendOption = typer.Option(
-    None,
-    "--attention-backend",
-    help="Paged attention kernels: auto (triton on CUDA, torch elsewhere), triton, torch, flash-attn. "
-    "Unset: VLMBATCH_ATTENTION_BACKEND, else auto.",
-)
 GpuImageDecodeOption = typer.Option(
     None,
     "--gpu-image-decode",

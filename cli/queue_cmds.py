@@ -20,6 +20,7 @@ from vlmbatch.cli.options import (
     ModelOption,
     OutputOption,
     StorageOptionsOption,
+    engine_config,
     parse_json_option,
     resolve_job_dir,
 )
@@ -29,14 +30,23 @@ JobArgument = typer.Argument(
 )
 
 
-def _job(job: str, output: str, broker: str | None, storage_options: str | None) -> tuple[Any, str]:
-    """The job's folder and its broker: the flag or VLMBATCH_BROKER_URL, else the one it was submitted to."""
+def _located(job: str, output: str, broker: str | None, storage_options: str | None) -> tuple[Any, str | None]:
+    """The job's folder and its broker: the flag or VLMBATCH_BROKER_URL, else the one it was
+    submitted to; None for a job that ran in-process (the embedded default)."""
     from vlmbatch.io.manifest import Manifest
 
     job_dir = resolve_job_dir(job, output, parse_json_option(storage_options, "--storage-options"), broker)
-    broker = broker or Manifest.load(job_dir).broker
+    return job_dir, broker or Manifest.load(job_dir).broker
+
+
+def _job(job: str, output: str, broker: str | None, storage_options: str | None) -> tuple[Any, str]:
+    """`_located`, for the commands that follow or stop a queued job."""
+    job_dir, broker = _located(job, output, broker, storage_options)
     if not broker:
-        raise typer.BadParameter("this job was not queued on a broker; pass --broker", param_hint="--broker")
+        raise typer.BadParameter(
+            f"job {job} ran in-process (no broker): it runs and stops with the `vlmbatch submit` that started it "
+            f"(Ctrl-C stops it), and `vlmbatch resume {job}` runs what is left of it here", param_hint="JOB",
+        )  # fmt: skip
     return job_dir, broker
 
 
@@ -105,7 +115,16 @@ def status(job: str = JobArgument, output: str = OutputOption, broker: Optional[
     """Rows done and failed, shards by state, rows/s, ETA and the workers running it."""
     from vlmbatch.job.queue import job_status, status_table
 
-    Console().print(status_table(job_status(*_job(job, output, broker, storage_options))))
+    job_dir, broker = _located(job, output, broker, storage_options)
+    console = Console()
+    if broker:
+        console.print(status_table(job_status(job_dir, broker)))
+        return
+    from vlmbatch.job.report import print_summary
+
+    summary = print_summary(job_dir, console)  # an in-process job: what its committed parts hold
+    if summary.parts_committed < summary.parts_planned:
+        console.print(f"ran in-process; {summary.parts_planned - summary.parts_committed} shards left: `vlmbatch resume {job}` runs them here")
 
 
 def wait(job: str = JobArgument, output: str = OutputOption, broker: Optional[str] = BrokerOption,
@@ -132,11 +151,36 @@ def resume(
     storage_options: Optional[str] = StorageOptionsOption,
     retry_errors: bool = typer.Option(False, "--retry-errors", help="Also re-run the rows that ended in an error."),
 ) -> None:
-    """Re-queue every shard of JOB without a committed part (rebuilding Redis state from the folder)."""
-    from vlmbatch.job.queue import resume_job
+    """Run what is left of JOB: re-queue its shards without a committed part, or run them here.
 
-    queued = resume_job(*_job(job, output, broker, storage_options), retry_errors=retry_errors)
-    Console(stderr=True).print(f"queued {queued} shards of {job}")
+    A queued job's shards go back on its broker (Redis state is rebuilt from the folder).
+    A job that ran in-process (no broker) runs them in this process, its model loaded
+    with the engine options `submit` was given.
+    """
+    import os
+
+    from vlmbatch.config import MediaConfig, WorkerConfig
+    from vlmbatch.errors import JobError
+    from vlmbatch.io.manifest import Manifest
+    from vlmbatch.job.local import ENGINE_FLAGS_KEY, run_in_process
+    from vlmbatch.job.queue import resume_job
+    from vlmbatch.job.report import print_summary
+
+    job_dir, broker = _located(job, output, broker, storage_options)
+    console = Console(stderr=True)
+    if broker:
+        queued = resume_job(job_dir, broker, retry_errors=retry_errors)
+        console.print(f"queued {queued} shards of {job}")
+        return
+    manifest = Manifest.load(job_dir)
+    config = engine_config(**manifest.extra.get(ENGINE_FLAGS_KEY, {}))
+    try:
+        elapsed = run_in_process(manifest, job_dir, config, WorkerConfig.from_env(os.environ), MediaConfig.from_env(os.environ),
+                                 console=console, retry_errors=retry_errors)  # fmt: skip
+    except JobError as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2)
+    print_summary(job_dir, console, elapsed_s=elapsed)
 
 
 def register(app: typer.Typer) -> None:

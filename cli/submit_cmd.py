@@ -88,10 +88,9 @@ def submit(
     from vlmbatch.engine.sampling_params import SamplingParams
     from vlmbatch.errors import JobError
     from vlmbatch.io.readers import ColumnMap
-    from vlmbatch.engine.gpu_images import defers_image_decoding
     from vlmbatch.job.jobfile import apply_job_file, is_job_file
+    from vlmbatch.job.local import ENGINE_FLAGS_KEY
     from vlmbatch.job.plan import structured_output_option
-    from vlmbatch.job.preparer import RowPreparer
     from vlmbatch import job as jobs
 
     console = Console(stderr=True)
@@ -120,10 +119,10 @@ def submit(
     media = parse_json_option(media_io_kwargs, "--media-io-kwargs")
     storage = parse_json_option(storage_options, "--storage-options")
     template = Path(chat_template).read_text() if chat_template else None
-    # Checked before anything is written (a typo in --gpu-image-decode fails here).
-    config = engine_config(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
-                           gpu_image_decode=gpu_image_decode, quantization=quantization, quantize_vision=quantize_vision,
-                           kv_cache_dtype=kv_cache_dtype)
+    engine_flags = dict(engine=engine, dtype=dtype, device=device, attention_backend=attention_backend,
+                        gpu_image_decode=gpu_image_decode, quantization=quantization, quantize_vision=quantize_vision,
+                        kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    config = engine_config(**engine_flags)  # checked before anything is written (a typo in --gpu-image-decode fails here)
     try:
         structured = structured_output_option(parse_json_option(response_format, "--response-format"), json_schema)
         media_config, worker_config = MediaConfig.from_env(os.environ), WorkerConfig.from_env(os.environ)
@@ -142,7 +141,9 @@ def submit(
         raise typer.Exit(2)
     if gpu_image_decode is not None:  # the job's own choice; workers without it use their own default
         manifest.extra["gpu_image_decode"] = gpu_image_decode
-        manifest.save()
+    if not broker:  # `resume` of an in-process job loads the model as this run did
+        manifest.extra[ENGINE_FLAGS_KEY] = {name: value for name, value in engine_flags.items() if value is not None}
+    manifest.save()
     print(manifest.job_id, flush=True)
     if manifest.num_rows == 0:
         console.print(f"dataset is empty: wrote an empty typed result to {job_dir}")
@@ -154,15 +155,14 @@ def submit(
         if wait:
             raise typer.Exit(follow_job(job_dir, broker, console=console))
         return
-    with RowPreparer(worker_config, media_config) as preparer:  # one preprocessing pool for all the job's shards
-        preparer.start_fork_server()  # its imports overlap the model load
-        llm = jobs.load_llm(model, config, chat_template=template)
-        try:
-            defers_image_decoding(llm.engine, manifest.extra.get("gpu_image_decode") or config.gpu_image_decode)
-        except JobError as exc:  # e.g. forced on without CUDA: refused before any row runs
-            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
-            raise typer.Exit(2)
-        elapsed = jobs.run_job_locally(manifest, job_dir, llm, preparer, console=console)
+    try:
+        elapsed = jobs.run_in_process(manifest, job_dir, config, worker_config, media_config, console=console)
+    except JobError as exc:  # e.g. GPU image decoding forced on without CUDA: refused before any row runs
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2)
+    except KeyboardInterrupt:  # committed shards stay; the running one is dropped
+        console.print(f"interrupted: `vlmbatch resume {manifest.job_id} --output {output}` runs what is left of it")
+        raise typer.Exit(130)
     jobs.print_summary(job_dir, console, elapsed_s=elapsed)
 
 
