@@ -180,7 +180,8 @@ def resume(
     except JobError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
-    print_summary(job_dir, console, elapsed_s=elapsed)
+    print_summary(job_dir, console)  # the whole job's rows: a rate over them would count the rows run before
+    console.print(f"resumed {job} in {elapsed:,.1f} s")
 
 
 def register(app: typer.Typer) -> None:
