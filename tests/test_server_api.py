@@ -185,6 +185,16 @@ def test_stop_string_cuts_the_text_in_both_modes(client: openai.OpenAI, tiny_qwe
     assert streamed == cut.message.content
 
 
+def test_tools_with_tool_choice_none_answer_as_without_tools(client: openai.OpenAI, tiny_qwen: Path) -> None:
+    """Tool calling is not served (a request with tools and any other tool_choice is a 400,
+    `test_client_mistakes`); with tool_choice "none" the request is answered as text, the
+    tools not rendered into the prompt."""
+    ask = dict(model=str(tiny_qwen), messages=[{"role": "user", "content": "Weather?"}], temperature=0, max_tokens=6)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    assert client.chat.completions.create(tools=tools, tool_choice="none", **ask).choices[0].message.content == plain
+
+
 def test_streaming_equals_non_streaming_with_one_finish_chunk(client: openai.OpenAI, tiny_qwen: Path) -> None:
     ask = dict(
         model=str(tiny_qwen), temperature=0, max_tokens=12,
@@ -288,9 +298,12 @@ def test_malformed_json_through_curl(server: ServerProcess) -> None:
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"not-a-token": 1}}, 400, None, "invalid_row"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400, "logit_bias", "invalid_row"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "min_tokens": 3}, 400, None, "invalid_row"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+         400, "tools", "invalid_request"),
     ],
     ids=["image_url-string", "unknown-part", "too-long", "no-messages", "bad-temperature", "bad-role", "unknown-model", "request-picks-decoder",
-         "top_logprobs-alone", "too-many-top_logprobs", "bad-logit_bias", "logit_bias-outside-vocabulary", "min_tokens-over-max"],
+         "top_logprobs-alone", "too-many-top_logprobs", "bad-logit_bias", "logit_bias-outside-vocabulary", "min_tokens-over-max",
+         "tools"],
 )
 def test_client_mistakes(server: ServerProcess, body: dict, status: int, param: str, code: str) -> None:
     error = _error(_post(server, body), status)

@@ -129,6 +129,9 @@ class ChatCompletions:
             raise
         # Without a limit the request may use the rest of the context (`prepare` left at least 1).
         max_tokens = request.requested_max_tokens or self._adapter.max_model_len - prompt.num_tokens
+        if request.tools and request.tool_choice != "none":
+            raise APIError(400, "tool calling is not supported by this server; send tool_choice \"none\" to answer without tools",
+                           param="tools", code="invalid_request")  # fmt: skip
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_request")
         given = {name: getattr(request, name) for name in ("top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")}

@@ -56,6 +56,10 @@ class ChatCompletionRequest(BaseModel):
     guided_grammar: Any = None
     # vLLM's extension: the model processor's options, e.g. InternVL's {"max_patches": 4}.
     mm_processor_kwargs: dict[str, Any] | None = None
+    # Tool calling is not served: tools are refused unless `tool_choice` is "none" (OpenAI's
+    # default with tools is "auto", which would otherwise come back as plain text, silently).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
