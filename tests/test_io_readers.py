@@ -83,6 +83,9 @@ def test_jsonl_shards_cover_every_row_once(messy_jsonl: Path) -> None:
     assert [r for b in reader.iter_shard(again) for r, _ in b] == [3, 4, 5]
 
 
+TOOLS = [{"type": "function", "function": {"name": "weather"}}]
+
+
 def test_openai_batch_lines_map_to_row_contract(tmp_path: Path) -> None:
     def line(custom_id: str, body: dict, url: str = "/v1/chat/completions") -> bytes:
         return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}).encode() + b"\n"
@@ -96,6 +99,8 @@ def test_openai_batch_lines_map_to_row_contract(tmp_path: Path) -> None:
                            "mm_processor_kwargs": {"max_patches": 2}}),
             line("req-3", {"model": "m", "input": "x"}, url="/v1/embeddings"),
             line("req-4", {"model": "m"}),
+            line("req-5", {"model": "m", "messages": messages, "tools": TOOLS}),
+            line("req-6", {"model": "m", "messages": messages, "tools": TOOLS, "tool_choice": "none"}),
         ],
     )
     reader = open_dataset(path, ColumnMap())
@@ -106,6 +111,8 @@ def test_openai_batch_lines_map_to_row_contract(tmp_path: Path) -> None:
     assert rows[1] == {"custom_id": "req-2", "messages": messages, "max_tokens": 9, "seed": 3, "mm_processor_kwargs": {"max_patches": 2}}
     assert isinstance(rows[2], RowError) and "/v1/embeddings" in rows[2].message
     assert isinstance(rows[3], RowError) and rows[3].param == "body.messages"
+    assert isinstance(rows[4], RowError) and rows[4].param == "body.tools" and "tool_choice" in rows[4].message
+    assert rows[5] == {"custom_id": "req-6", "messages": messages}  # answered as text
 
 
 def hf_image_table(n: int) -> pa.Table:

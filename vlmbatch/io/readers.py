@@ -216,6 +216,9 @@ def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any] | RowError:
     body = obj["body"]
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
         return RowError(ErrorType.INVALID_ROW, "body.messages must be a list of chat messages", "body.messages")
+    if body.get("tools") and body.get("tool_choice") != "none":  # as `serve` answers them
+        return RowError(ErrorType.INVALID_ROW, 'tool calling is not supported; send tool_choice "none" to answer without tools',
+                        "body.tools")  # fmt: skip
     row: dict[str, Any] = {"custom_id": obj["custom_id"], "messages": body["messages"]}
     if "max_completion_tokens" in body:
         row["max_tokens"] = body["max_completion_tokens"]
