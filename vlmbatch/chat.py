@@ -25,6 +25,16 @@ def _bad(message: str, param: str) -> RowError:
     return RowError(ErrorType.INVALID_ROW, message, param=param)
 
 
+def checked_text(text: str, param: str) -> str:
+    """`text` if it is valid Unicode: JSON's `\\ud800` escapes decode to lone surrogates,
+    which no tokenizer can encode (a row error here, not a processor failure later)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(f"{param} is not valid Unicode text: a lone surrogate at position {exc.start}", param) from None
+    return text
+
+
 def _media_ref(part: dict[str, Any], part_type: str, param: str) -> Any:
     """The URL/path/data: string (or the PIL image of an `image_pil` part) a media part names."""
     key, _ = _MEDIA_PARTS[part_type]
@@ -61,7 +71,7 @@ def parse_chat_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Any],
             raise _bad(f"role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
         content = message.get("content")
         if isinstance(content, str):
-            template_messages.append({"role": role, "content": content})
+            template_messages.append({"role": role, "content": checked_text(content, f"{where}.content")})
             continue
         if not isinstance(content, list):
             raise _bad("content must be a string or a list of parts", f"{where}.content")
@@ -74,7 +84,7 @@ def parse_chat_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Any],
             if part_type == "text":
                 if not isinstance(part.get("text"), str):
                     raise _bad('a text part needs a "text" string', f"{param}.text")
-                parts.append({"type": "text", "text": part["text"]})
+                parts.append({"type": "text", "text": checked_text(part["text"], f"{param}.text")})
             elif part_type in ("image", "video"):
                 # An already-parsed placeholder (a second pass, or media given beside the
                 # messages): rendered as is, its media supplied by the caller.

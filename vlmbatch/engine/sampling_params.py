@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -68,10 +69,12 @@ class SamplingParams:
         problems = []
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not all(isinstance(stop, str) and stop for stop in self.stop):
+            problems.append(f"stop must be non-empty strings, got {list(self.stop)!r}")
         if not isinstance(self.top_k, int):
             problems.append(f"top_k must be an integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -85,7 +88,7 @@ class SamplingParams:
             if not _is_number(value) or not -2 <= value <= 2:
                 problems.append(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            problems.append(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens if _is_int(self.max_tokens) else 0):
             problems.append(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -135,7 +138,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (JSON rows may hold NaN and Infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...] | None:

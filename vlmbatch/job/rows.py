@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vlmbatch.chat import checked_text
 from vlmbatch.engine.sampling_params import SamplingParams
 from vlmbatch.errors import ErrorType, RowError
 from vlmbatch.structured.spec import parse_structured_output, resolve
@@ -41,7 +42,7 @@ class RowRequest:
 def _text(value: Any, column: str) -> str:
     """Accept str, or bytes that are valid UTF-8; anything else is a row error."""
     if isinstance(value, str):
-        return value
+        return checked_text(value, column)
     if isinstance(value, (bytes, bytearray)):
         try:
             return bytes(value).decode("utf-8")

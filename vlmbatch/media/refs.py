@@ -66,6 +66,8 @@ def resolve_media(ref: Any, ctx: MediaContext, kind: str, param: str) -> MediaSo
         return _in_memory(bytes(ref), "<bytes>", kind, param)
     if isinstance(ref, Mapping):
         if ref.get("bytes"):
+            if not isinstance(ref["bytes"], (bytes, bytearray, memoryview)):
+                raise RowError(ErrorType.INVALID_ROW, f"{kind} struct's 'bytes' must be bytes, got {type(ref['bytes']).__name__}", param)
             return _in_memory(bytes(ref["bytes"]), str(ref.get("path") or "<bytes>"), kind, param)
         if ref.get("path"):
             return resolve_media(str(ref["path"]), ctx, kind, param)
