@@ -1,7 +1,8 @@
 """Values JSON can carry but no model can take are the row's `invalid_row`, named, at parse
-time: lone surrogates (`\\ud800` escapes) in prompts and message text, and an HF image or
-video struct whose `bytes` is a string. Before, they failed later as a processor's
-`unsupported_media` or, for the struct, as an `engine_error`."""
+time: lone surrogates (`\\ud800` escapes) in prompts and message text, a message whose
+part list is empty (OpenAI refuses it), and an HF image or video struct whose `bytes` is
+a string. Before, they failed later as a processor's `unsupported_media` or, for the
+struct, as an `engine_error`, and an empty turn was generated from."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def test_message_text_with_a_lone_surrogate_is_an_invalid_row(content, param: st
     with pytest.raises(RowError) as info:
         parse_chat_messages([{"role": "user", "content": content}])
     assert info.value.error_type == ErrorType.INVALID_ROW and info.value.param == param
+
+
+def test_a_message_with_an_empty_part_list_is_an_invalid_row() -> None:
+    with pytest.raises(RowError) as info:
+        parse_chat_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": []}])
+    assert info.value.error_type == ErrorType.INVALID_ROW and info.value.param == "messages[1].content"
 
 
 def test_a_media_struct_whose_bytes_are_text_is_an_invalid_row() -> None:

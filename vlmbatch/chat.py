@@ -75,6 +75,8 @@ def parse_chat_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Any],
             continue
         if not isinstance(content, list):
             raise _bad("content must be a string or a list of parts", f"{where}.content")
+        if not content:  # as OpenAI refuses it: a turn with nothing in it
+            raise _bad("content must not be an empty list", f"{where}.content")
         parts = []
         for j, part in enumerate(content):
             param = f"{where}.content[{j}]"
