@@ -286,7 +286,7 @@ def test_kernel_sweep_of_block_fp8_experts_checks_each_path_and_writes_its_own_t
 
 def test_partial_sweep_rewrites_only_its_token_counts(tmp_path):
     """`--tokens 1,2` re-tunes 1 and 2 tokens of the shape and keeps its other entries (and
-    the other shapes'); a tile's MMA and prefetch fields survive the round trip."""
+    the other shapes') with their dates; a tile's MMA and prefetch fields survive the round trip."""
     from vlmbatch.bench.moe import QWEN3_VL_30B_A3B, write_tuned_table
 
     table_path = tmp_path / "fused_moe_tuned.json"
@@ -294,11 +294,15 @@ def test_partial_sweep_rewrites_only_its_token_counts(tmp_path):
     before = load_tuned_configs(table_path)[QWEN3_VL_30B_A3B.key]
     new = MoeConfig(1, GemmTile(64, 128, 1, 4, 4, 16, 1), GemmTile(16, 256, 1, 4, 6, 16))
     config = {"block_m": 1, "gate_up": new.gate_up.__dict__, "down": new.down.__dict__}
-    result = {"shape": QWEN3_VL_30B_A3B.__dict__, "device": "test", "dtype": "bfloat16", "rows": [{"tokens": 1, "config": config, "us": 20.0, "pct_of_copy": 88.0}]}
+    result = {"shape": QWEN3_VL_30B_A3B.__dict__, "device": "test", "dtype": "bfloat16", "date": "2099-01-01",
+              "rows": [{"tokens": 1, "config": config, "us": 20.0, "pct_of_copy": 88.0}]}
+    dates_before = {n: entry["date"] for n, entry in json.loads(table_path.read_text())["2048,768,128,8"]["configs"].items()}
     write_tuned_table(result, table_path)
     after = load_tuned_configs(table_path)[QWEN3_VL_30B_A3B.key]
     assert after[1] == new and sorted(after) == sorted(before)
     assert all(after[n] == before[n] for n in before if n != 1)
+    dates_after = {n: entry["date"] for n, entry in json.loads(table_path.read_text())["2048,768,128,8"]["configs"].items()}
+    assert dates_after == {**dates_before, "1": "2099-01-01"}, "only the re-tuned entry is re-dated"
 
 
 # slow: the default run has these cases under the interpreter already, in test_kernels_interpreter.py
@@ -554,7 +558,7 @@ def test_gpu_fp8_block_experts_at_30b_a3b_shapes(num_tokens):
     x, w_gate_up, w_down, weights, ids = moe_inputs(num_tokens, **A3B, dtype=torch.bfloat16, seed=num_tokens, device="cuda")
     gate_up, down = ([quantize_fp8_blocks_ref(w.float()) for w in ws] for ws in (w_gate_up, w_down))
     (w_gate_up, s_gate_up), (w_down, s_down) = ((torch.stack(t) for t in zip(*parts)) for parts in (gate_up, down))
-    grouped = choose_config(num_tokens, A3B["hidden"], A3B["intermediate"], A3B["num_experts"], A3B["top_k"]).block_m > 1
+    grouped = choose_config(num_tokens, A3B["hidden"], A3B["intermediate"], A3B["num_experts"], A3B["top_k"], fp8=True).block_m > 1
     out = fused_moe(x, w_gate_up, w_down, weights, ids, gate_up_scales=s_gate_up, down_scales=s_down)
     expected = fused_moe_fp8_ref(x, w_gate_up, w_down, weights, ids, s_gate_up, s_down, fp8_activations=grouped)
     assert grouped == (num_tokens > 8) and relative_l2(out, expected) < FP8_REL_L2_BOUND

@@ -531,18 +531,20 @@ def format_sweep(result: dict[str, Any]) -> str:
 def write_tuned_table(result: dict[str, Any], path: Path | str = TUNED_TABLE_PATH) -> Path:
     """Put the sweep's configs, with their measured time and share of copy bandwidth, into
     the tuned table (kernels/fused_moe_tuned.json or `path`), keeping the other shapes' and,
-    of this shape, the token counts the sweep did not run (`--tokens 1,2,4,8` re-tunes those)."""
+    of this shape, the token counts the sweep did not run (`--tokens 1,2,4,8` re-tunes those),
+    each entry dated by the sweep that measured it."""
     path = Path(path)
     tables = json.loads(path.read_text()) if path.exists() else {}
     shape = MoeShape(**result["shape"])
     experts = result.get("experts", "bf16")
     key = table_key(shape.key, experts)
     configs = dict(tables.get(key, {}).get("configs", {}))
-    configs.update({str(row["tokens"]): {**row["config"], "us": round(row["us"], 1), "pct_of_copy": round(row.get("pct_of_copy") or 0, 1)}
+    configs.update({str(row["tokens"]): {**row["config"], "us": round(row["us"], 1), "pct_of_copy": round(row.get("pct_of_copy") or 0, 1),
+                                         "date": result.get("date", "")}
                     for row in result["rows"] if "config" in row})  # fmt: skip
     tables[key] = {
-        "measured": f"{result['device']}, {result['dtype']}, {experts} experts, {result.get('date', '')}: the whole layer's time; "
-                    "pct_of_copy = expert bytes / time against a device copy",
+        "measured": f"{result['device']}, {result['dtype']}, {experts} experts: the whole layer's time on the entry's date "
+                    "(a partial sweep re-dates only its token counts); pct_of_copy = expert bytes / time against a device copy",
         "configs": dict(sorted(configs.items(), key=lambda item: int(item[0]))),
     }  # fmt: skip
     path.write_text(json.dumps(tables, indent=1) + "\n")
