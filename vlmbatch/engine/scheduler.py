@@ -134,10 +134,14 @@ class Scheduler:
     def upcoming(self) -> list[Sequence]:
         """The waiting sequences the next admission would most likely take, oldest first: as
         many as the free slots and the step's token budget allow (blocks, prefix hits and
-        chunking not counted; the first always). A guess, for staging their media ahead."""
+        chunking not counted; the first always). With every slot taken the next admission
+        comes once some finish, and takes the oldest waiting: then the token budget alone
+        bounds the guess (else a slot-bound engine, whose finishing and admitting fall in
+        consecutive steps, would never stage). A guess, for staging their media ahead."""
         seqs, budget = [], self.max_num_batched_tokens
+        slots = self.max_num_seqs - len(self.running) or self.max_num_seqs
         for seq in self.waiting:
-            if len(seqs) >= self.max_num_seqs - len(self.running) or (seqs and budget <= 0):
+            if len(seqs) >= slots or (seqs and budget <= 0):
                 break
             seqs.append(seq)
             budget -= seq.num_uncomputed_tokens
