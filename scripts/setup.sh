@@ -16,4 +16,12 @@ fi
 if ! python3 -c 'import torch, torchvision' >/dev/null 2>&1; then
   python3 -m pip install -q torch==2.14.1 torchvision==0.29.1
 fi
-python3 -m pip install -q -e '.[all,test]'
+# The editable install, skipped when this checkout's is in place for the same pyproject.toml
+# (a no-op `pip install` still takes ~11 s, which every demo run would pay).
+stamp=".tiny/setup-stamp"
+wanted="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] \
+   || ! PYTHONSAFEPATH=1 python3 -c 'import os, sys, vlmbatch.cli; sys.exit(os.path.dirname(vlmbatch.__file__) != os.path.abspath("vlmbatch"))' >/dev/null 2>&1; then
+  python3 -m pip install -q -e '.[all,test]'
+  mkdir -p .tiny && echo "$wanted" > "$stamp"
+fi

@@ -123,9 +123,11 @@ def media_folder(tmp_path_factory):
     return folder
 
 
-# Idefics3's job is `slow`: its rows take SmolVLM's path, and its one difference, a video as
-# `unsupported_media`, is test_placeholders_and_unsupported_media_are_row_errors's.
-@pytest.mark.parametrize("arch", [pytest.param("idefics3", marks=pytest.mark.slow), "smolvlm"])
+# slow (both): past the adapter a job is the same for every family (Qwen's job tests run by
+# default); this family's prompts, tiles, video and row errors are this file's default tests
+# (parity, serve, test_placeholders_and_unsupported_media_are_row_errors).
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["idefics3", "smolvlm"])
 def test_a_job_with_images_a_video_and_bad_rows_completes(arch, tiny_model_dir, media_folder, tmp_path):
     video = str(media_folder / "h264_mp4.mp4")
     rows = [

@@ -20,14 +20,14 @@ from typer.testing import CliRunner
 from test_submit_e2e import qwen_prompt, vlmbatch
 from vlmbatch.cli.commands import app
 
-ROWS, SHARD_SIZE = 600, 50
+ROWS, SHARD_SIZE = 240, 20
 
 
 def _interrupted_job(dataset: Path, model: Path, output: Path) -> tuple[str, str]:
     """Start `submit` in-process and Ctrl-C it once two shards are committed: (job id, its stderr)."""
     submit = subprocess.Popen(
         [sys.executable, "-m", "vlmbatch.cli", "submit", str(dataset), "--model", str(model), "--output", str(output),
-         "--shard-size", str(SHARD_SIZE), "--max-tokens", "16", "--dtype", "float32"],
+         "--shard-size", str(SHARD_SIZE), "--max-tokens", "8", "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 180
