@@ -35,6 +35,16 @@ def checked_text(text: str, param: str) -> str:
     return text
 
 
+TOOLS_REFUSED = 'tool calling is not supported; send tool_choice "none" to answer without tools'
+
+
+def refuses_tools(tools: Any, tool_choice: Any) -> bool:
+    """Whether a chat request's tools must be refused (`TOOLS_REFUSED`): no tool calls are
+    parsed, so only tool_choice "none" can be answered; with any other (OpenAI's default
+    is "auto") the tools would be dropped silently."""
+    return bool(tools) and tool_choice != "none"
+
+
 def _media_ref(part: dict[str, Any], part_type: str, param: str) -> Any:
     """The URL/path/data: string (or the PIL image of an `image_pil` part) a media part names."""
     key, _ = _MEDIA_PARTS[part_type]

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from vlmbatch.chat import TOOLS_REFUSED, refuses_tools
 from vlmbatch.errors import ErrorType, JobError, RowError
 from vlmbatch.io.schema import RESERVED_NAMES, infer_scalar_type, is_passthrough_type
 from vlmbatch.io.storage import Location, ObjectPath, open_input, parquet_source, resolve
@@ -216,9 +217,8 @@ def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any] | RowError:
     body = obj["body"]
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
         return RowError(ErrorType.INVALID_ROW, "body.messages must be a list of chat messages", "body.messages")
-    if body.get("tools") and body.get("tool_choice") != "none":  # as `serve` answers them
-        return RowError(ErrorType.INVALID_ROW, 'tool calling is not supported; send tool_choice "none" to answer without tools',
-                        "body.tools")  # fmt: skip
+    if refuses_tools(body.get("tools"), body.get("tool_choice")):  # as `serve` answers them
+        return RowError(ErrorType.INVALID_ROW, TOOLS_REFUSED, "body.tools")
     row: dict[str, Any] = {"custom_id": obj["custom_id"], "messages": body["messages"]}
     if "max_completion_tokens" in body:
         row["max_tokens"] = body["max_completion_tokens"]

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from vlmbatch.chat import parse_chat_messages
+from vlmbatch.chat import TOOLS_REFUSED, parse_chat_messages, refuses_tools
 from vlmbatch.engine.logprobs import TokenTexts
 from vlmbatch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from vlmbatch.engine.sampling_params import SamplingParams
@@ -111,6 +111,8 @@ class ChatCompletions:
                 404, f"The model `{request.model}` does not exist; this server serves `{self._settings.model_id}`.",
                 param="model", code="model_not_found",
             )
+        if refuses_tools(request.tools, request.tool_choice):  # before any media are fetched
+            raise APIError(400, TOOLS_REFUSED, param="tools", code="invalid_request")
         structured = self._structured_output(request)
         _, image_refs, video_refs = parse_chat_messages(request.messages)
         self._check_media_counts(len(image_refs), len(video_refs))
@@ -129,9 +131,6 @@ class ChatCompletions:
             raise
         # Without a limit the request may use the rest of the context (`prepare` left at least 1).
         max_tokens = request.requested_max_tokens or self._adapter.max_model_len - prompt.num_tokens
-        if request.tools and request.tool_choice != "none":
-            raise APIError(400, "tool calling is not supported by this server; send tool_choice \"none\" to answer without tools",
-                           param="tools", code="invalid_request")  # fmt: skip
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_request")
         given = {name: getattr(request, name) for name in ("top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")}
