@@ -173,7 +173,7 @@ LAYERS: dict[str, set[str]] = {
               "kernels", "testing", "chat"},
     "server": {"engine", "families", "media", "chat", "config", "structured", "vlmbatch"},
     "job": {"engine", "families", "io", "media", "structured", "chat", "workers", "config"},
-    "io": {"structured", "config", "job"},
+    "io": {"structured", "chat", "config", "job"},
     "engine": {"quantization", "families", "kernels", "media", "chat", "config", "structured"},
     "families.<name>": {"engine", "families", "media", "testing", "kernels"},
     "families": {"quantization", "media", "chat"},
